@@ -1,0 +1,196 @@
+"""Benchmark: time to first token on the decode server with the KV handed over vs recomputed.
+
+For prompts of about 256, 1024 and 2048 tokens on SmolLM2 it measures, on real
+gunicorn servers on loopback:
+
+- ``handoff_ttft_s``: the decode server's time from request to first token when
+  it receives the KV (pull + import + one prompt token + one sampled token);
+- ``reprefill_ttft_s``: the same when it receives only the token ids and must
+  recompute the prompt (what Ollama's ``context`` forces);
+- ``handoff_gbps``: KV bits over export (+checksum) + transfer + import time;
+- ``loopback_gbps``: raw loopback TCP throughput measured in the same run;
+- ``memory``: peak Python-traced memory of each side of the handoff, in KV
+  copies, measured in this process with the servers' own code paths.
+
+    .venv/bin/python benchmarks/handoff.py --json
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import socket
+import statistics
+import sys
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from disaggregated_inference import bundle  # noqa: E402
+
+FILLER = ("The quarterly sales report lists revenue by region, product line and month, "
+          "with notes on returns, discounts and the marketing campaigns that ran. ")
+QUESTION = "\nSummarise the report above in one sentence."
+
+
+def loopback_gbps(total_bytes: int = 1 << 30, chunk: int = 1 << 20) -> float:
+    """Raw TCP throughput over 127.0.0.1 with one Python socket pair (send / recv_into)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    received = [0]
+
+    def sink():
+        conn, _ = server.accept()
+        buf = bytearray(chunk)
+        view = memoryview(buf)
+        while True:
+            n = conn.recv_into(view)
+            if not n:
+                break
+            received[0] += n
+        conn.close()
+
+    thread = threading.Thread(target=sink)
+    thread.start()
+    client = socket.create_connection(("127.0.0.1", port))
+    data = b"\0" * chunk
+    started = time.perf_counter()
+    for _ in range(total_bytes // chunk):
+        client.sendall(data)
+    client.close()
+    thread.join()
+    elapsed = time.perf_counter() - started
+    server.close()
+    return received[0] * 8 / elapsed / 1e9
+
+
+def prompt_for(tokens_wanted: int, tokens_per_repeat: float) -> str:
+    return FILLER * max(0, round((tokens_wanted - 30) / tokens_per_repeat)) + QUESTION
+
+
+def one_run(http, prefill_url, decode_url, prompt) -> dict:
+    pre = http.post(f"{prefill_url}/prefill", json={"prompt": prompt}).json()
+    kv = pre["kv"]
+    hand = http.post(f"{decode_url}/decode", json={"kv": kv, "max_new_tokens": 1}).json()["metrics"]
+    # the token ids alone: the bundle carries them; read them from a second prefill's bundle
+    pre2 = http.post(f"{prefill_url}/prefill", json={"prompt": prompt}).json()
+    _, tokens, _ = bundle.read_bundle(io.BytesIO(http.get(pre2["kv"]["url"]).content))
+    redo = http.post(f"{decode_url}/decode", json={"tokens": tokens, "fingerprint": pre["fingerprint"],
+                                                   "max_new_tokens": 1}).json()["metrics"]
+    export = pre["metrics"]["kv_export_time"] + pre["metrics"]["kv_checksum_time"]
+    moved = export + hand["kv_transfer_time"] + hand["kv_load_time"]
+    assert hand["prompt_tokens_recomputed"] == 1 and redo["prompt_tokens_recomputed"] == len(tokens)
+    return {
+        "prompt_tokens": pre["prompt_tokens"],
+        "handoff_ttft_s": hand["ttft"],
+        "reprefill_ttft_s": redo["ttft"],
+        "kv_bytes": kv["bytes"],
+        "handoff_gbps": kv["bytes"] * 8 / moved / 1e9,
+        "export_s": export,
+        "transfer_s": hand["kv_transfer_time"],
+        "import_s": hand["kv_load_time"],
+        "prefill_time_s": pre["metrics"]["prefill_time"],
+    }
+
+
+def measure_memory(tokens_wanted: int, tokens_per_repeat: float, threads: int) -> dict:
+    """Peak traced Python memory on each side of one handoff, as multiples of the KV size."""
+    from disaggregated_inference.backends import ModelSettings, Prompt, Received, create
+
+    settings = ModelSettings(model="smollm2", n_threads=threads)
+    sender, receiver = create(settings), create(settings)
+    sender.load()
+    receiver.load()
+    prompt = Prompt(text=prompt_for(tokens_wanted, tokens_per_repeat))
+
+    tracemalloc.start()
+    prefilled = sender.prefill(prompt)
+    header = bundle.BundleHeader(prefilled.kind, len(prefilled.tokens), len(prefilled.payload),
+                                 bundle.payload_crc32(prefilled.payload), prefilled.fingerprint, prefilled.meta)
+    a, b = socket.socketpair()
+
+    def send():  # what the prefill server's /kv endpoint does: 1 MiB pieces as bytes
+        for piece in bundle.iter_encoded(header, prefilled.tokens, prefilled.payload):
+            a.sendall(piece if isinstance(piece, bytes) else bytes(piece))
+        a.close()
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    _, prefill_peak = tracemalloc.get_traced_memory()
+    tracemalloc.reset_peak()
+    # the decode side (a second thread stands in for the network peer)
+    got_header, tokens, payload = bundle.read_bundle(b.makefile("rb"))
+    thread.join()
+    received = Received(got_header.kind, tokens, payload, got_header.fingerprint, got_header.meta)
+    del payload
+    receiver.import_state(received)
+    _, decode_peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    kv = len(prefilled.payload)
+    sender.close()
+    receiver.close()
+    return {"kv_bytes": kv, "prefill_peak_copies": round(prefill_peak / kv, 3),
+            "decode_peak_copies": round(decode_peak / kv, 3)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--sizes", type=int, nargs="*", default=[256, 1024, 2048])
+    parser.add_argument("--repeat", type=int, default=3, help="runs per size (median reported)")
+    parser.add_argument("--prefill", help="URL of a running SmolLM2 prefill server (default: start one)")
+    parser.add_argument("--decode", help="URL of a running SmolLM2 decode server (default: start one)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+
+    cluster = None
+    if not (args.prefill and args.decode):
+        from disaggregated_inference.cluster import LocalCluster
+
+        data = json.loads((ROOT / "config_current.json").read_text())
+        data["models"]["qwen"]["n_threads"] = args.threads
+        cluster = LocalCluster(data, names=["local-prefill-qwen", "local-decode-qwen"], free_ports=True).start()
+        cluster.wait_healthy(timeout=600)
+        args.prefill = cluster.process("local-prefill-qwen").url
+        args.decode = cluster.process("local-decode-qwen").url
+    try:
+        http = requests.Session()
+        calib = http.post(f"{args.prefill}/prefill", json={"prompt": FILLER * 20 + QUESTION}).json()
+        http.delete(calib["kv"]["url"])
+        per_repeat = (calib["prompt_tokens"] - 30) / 20
+        net = loopback_gbps()
+        one_run(http, args.prefill, args.decode, prompt_for(64, per_repeat))  # warm both servers
+        results = []
+        for size in args.sizes:
+            runs = [one_run(http, args.prefill, args.decode, prompt_for(size, per_repeat)) for _ in range(args.repeat)]
+            row = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+            row["prompt_tokens"] = runs[0]["prompt_tokens"]
+            row["kv_bytes"] = runs[0]["kv_bytes"]
+            row["speedup"] = row["reprefill_ttft_s"] / row["handoff_ttft_s"]
+            results.append({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
+        memory = measure_memory(max(args.sizes), per_repeat, args.threads)
+    finally:
+        if cluster:
+            cluster.stop()
+    out = {"loopback_gbps": round(net, 3), "results": results, "memory": memory,
+           "machine": {"cpus": __import__("os").cpu_count(), "threads_per_server": args.threads}}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"loopback: {out['loopback_gbps']} Gb/s")
+        for r in results:
+            print(f"{r['prompt_tokens']:5d} tokens: handoff TTFT {r['handoff_ttft_s'] * 1000:7.1f} ms, "
+                  f"re-prefill TTFT {r['reprefill_ttft_s'] * 1000:8.1f} ms, speedup {r['speedup']:6.1f}x, "
+                  f"KV {r['kv_bytes'] / 1e6:6.1f} MB at {r['handoff_gbps']:.2f} Gb/s")
+        print(f"memory: {memory}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

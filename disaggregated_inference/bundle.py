@@ -1,0 +1,237 @@
+"""The KV bundle: the framed binary format a prompt's state travels in.
+
+This module stands alone: it imports only the standard library, so that either
+end of a transfer (or a tool inspecting a capture) can read it.
+
+Layout (all integers little-endian)::
+
+    magic      8 bytes   b"DISAGGKV"
+    version    u16       FORMAT_VERSION
+    header_len u32       length of the JSON header that follows
+    header     JSON, UTF-8 (see BundleHeader)
+    tokens     n_tokens x u32   the prompt's token ids, in order
+    frames...  each starts with one tag byte:
+        b"D"  u32 length, then that many payload bytes
+        b"E"  u32 CRC-32 of the whole payload     (end marker: last frame)
+        b"X"  u16 code, u32 length, UTF-8 message (error: the sender gave up)
+
+The payload is opaque to this module. For the llama.cpp backend it is the
+per-sequence state written by ``llama_state_seq_get_data`` (all K layers, then
+all V layers, raw ggml-typed bytes); for token-id handoffs it is empty. What the
+payload is and what produced it is written down in the header (``kind``,
+``fingerprint``), never implied.
+
+The CRC-32 guards the transfer (truncation, corruption); the fingerprint guards
+identity (model file digest, library version, cache types). The header carries
+the size and CRC of the payload up front so a reader can allocate once and
+check as it goes.
+"""
+from __future__ import annotations
+
+import io
+import json
+import struct
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import BinaryIO, Iterator
+
+MAGIC = b"DISAGGKV"
+FORMAT_VERSION = 1
+CONTENT_TYPE = "application/octet-stream"
+
+KIND_LLAMA_SEQ_STATE = "llama_seq_state"
+KIND_TOKEN_IDS = "token_ids"
+KINDS = (KIND_LLAMA_SEQ_STATE, KIND_TOKEN_IDS)
+
+TAG_DATA, TAG_END, TAG_ERROR = b"D", b"E", b"X"
+DEFAULT_CHUNK = 1 << 20  # 1 MiB frames
+MAX_HEADER_BYTES = 1 << 20
+MAX_TOKENS = 1 << 22
+
+_PREAMBLE = struct.Struct("<8sHI")
+_U32 = struct.Struct("<I")
+_ERROR = struct.Struct("<HI")
+
+
+class BundleFormatError(ValueError):
+    """The bytes are not a well-formed bundle (truncated, corrupted, foreign)."""
+
+
+class BundleRemoteError(Exception):
+    """The sender wrote an error frame instead of finishing the payload."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(f"sender aborted the bundle (code {code}): {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class BundleHeader:
+    kind: str
+    n_tokens: int
+    payload_bytes: int
+    payload_crc32: int
+    fingerprint: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+    token_dtype: str = "<u4"
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "BundleHeader":
+        try:
+            data = json.loads(raw.decode("utf-8"))
+            header = cls(**data)
+        except (UnicodeDecodeError, ValueError, TypeError) as exc:
+            raise BundleFormatError(f"bundle header is not valid: {exc}") from None
+        if header.kind not in KINDS:
+            raise BundleFormatError(f"unknown bundle kind {header.kind!r}")
+        if header.token_dtype != "<u4":
+            raise BundleFormatError(f"unsupported token dtype {header.token_dtype!r}")
+        if not 0 <= header.n_tokens <= MAX_TOKENS:
+            raise BundleFormatError(f"implausible token count {header.n_tokens}")
+        if header.payload_bytes < 0:
+            raise BundleFormatError("negative payload size")
+        return header
+
+
+def payload_crc32(payload) -> int:
+    return zlib.crc32(payload) & 0xFFFFFFFF
+
+
+def encode_tokens(tokens) -> bytes:
+    return struct.pack(f"<{len(tokens)}I", *tokens)
+
+
+def decode_tokens(raw: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(raw) // 4}I", raw))
+
+
+def encode_preamble(header: BundleHeader, tokens) -> bytes:
+    """Magic, version, header and token ids: everything before the frames."""
+    if len(tokens) != header.n_tokens:
+        raise ValueError(f"header says {header.n_tokens} tokens, got {len(tokens)}")
+    raw = header.to_json()
+    return _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(raw)) + raw + encode_tokens(tokens)
+
+
+def encode_error(code: int, message: str) -> bytes:
+    raw = message.encode("utf-8")
+    return TAG_ERROR + _ERROR.pack(code, len(raw)) + raw
+
+
+def iter_encoded(header: BundleHeader, tokens, payload, chunk_size: int = DEFAULT_CHUNK) -> Iterator[bytes]:
+    """Yield the whole bundle as pieces ready for a socket.
+
+    ``payload`` is any buffer (bytes, bytearray, ctypes array, memoryview); it is
+    sliced through a memoryview, so no full copy of it is ever made here.
+    """
+    view = memoryview(payload).cast("B")
+    if len(view) != header.payload_bytes:
+        raise ValueError(f"header says {header.payload_bytes} payload bytes, got {len(view)}")
+    yield encode_preamble(header, tokens)
+    for start in range(0, len(view), chunk_size):
+        piece = view[start:start + chunk_size]
+        yield TAG_DATA + _U32.pack(len(piece))
+        yield piece
+    yield TAG_END + _U32.pack(header.payload_crc32)
+
+
+def encoded_length(header: BundleHeader, chunk_size: int = DEFAULT_CHUNK) -> int:
+    """Exact byte length of ``iter_encoded`` for this header (for Content-Length)."""
+    frames = -(-header.payload_bytes // chunk_size)
+    return (_PREAMBLE.size + len(header.to_json()) + 4 * header.n_tokens
+            + frames * (1 + _U32.size) + header.payload_bytes + 1 + _U32.size)
+
+
+def write_bundle(out: BinaryIO, header: BundleHeader, tokens, payload, chunk_size: int = DEFAULT_CHUNK) -> None:
+    for piece in iter_encoded(header, tokens, payload, chunk_size):
+        out.write(piece)
+
+
+def _read_exact(src: BinaryIO, n: int, what: str) -> bytes:
+    data = src.read(n)
+    while data is not None and len(data) < n:
+        more = src.read(n - len(data))
+        if not more:
+            break
+        data += more
+    if data is None or len(data) != n:
+        got = 0 if data is None else len(data)
+        raise BundleFormatError(f"bundle truncated in {what}: expected {n} bytes, got {got}")
+    return data
+
+
+def _readinto_exact(src: BinaryIO, view: memoryview, what: str) -> None:
+    filled = 0
+    while filled < len(view):
+        n = src.readinto(view[filled:])
+        if not n:
+            raise BundleFormatError(f"bundle truncated in {what}: {len(view) - filled} bytes missing")
+        filled += n
+
+
+def read_preamble(src: BinaryIO) -> tuple[BundleHeader, list[int]]:
+    magic, version, header_len = _PREAMBLE.unpack(_read_exact(src, _PREAMBLE.size, "preamble"))
+    if magic != MAGIC:
+        raise BundleFormatError("not a KV bundle (bad magic bytes)")
+    if version != FORMAT_VERSION:
+        raise BundleFormatError(f"bundle format version {version} is not supported (expected {FORMAT_VERSION})")
+    if header_len > MAX_HEADER_BYTES:
+        raise BundleFormatError(f"bundle header of {header_len} bytes is too large")
+    header = BundleHeader.from_json(_read_exact(src, header_len, "header"))
+    tokens = decode_tokens(_read_exact(src, 4 * header.n_tokens, "token ids"))
+    return header, tokens
+
+
+def read_bundle(src: BinaryIO, max_payload_bytes: int | None = None) -> tuple[BundleHeader, list[int], bytearray]:
+    """Read one bundle; return its header, token ids and payload.
+
+    The payload is read straight into one preallocated ``bytearray`` (the only
+    full copy made on the receiving side) and its CRC-32 is checked against both
+    the header and the end marker.
+    """
+    header, tokens = read_preamble(src)
+    if max_payload_bytes is not None and header.payload_bytes > max_payload_bytes:
+        raise BundleFormatError(
+            f"bundle payload of {header.payload_bytes} bytes exceeds the limit of {max_payload_bytes}"
+        )
+    payload = bytearray(header.payload_bytes)
+    view = memoryview(payload)
+    filled, crc = 0, 0
+    while True:
+        tag = _read_exact(src, 1, "frame tag")
+        if tag == TAG_DATA:
+            (length,) = _U32.unpack(_read_exact(src, 4, "frame length"))
+            if filled + length > len(payload):
+                raise BundleFormatError("bundle payload is longer than its header says")
+            piece = view[filled:filled + length]
+            _readinto_exact(src, piece, "payload")
+            crc = zlib.crc32(piece, crc)
+            filled += length
+        elif tag == TAG_END:
+            (declared,) = _U32.unpack(_read_exact(src, 4, "end marker"))
+            break
+        elif tag == TAG_ERROR:
+            code, length = _ERROR.unpack(_read_exact(src, _ERROR.size, "error frame"))
+            raise BundleRemoteError(code, _read_exact(src, length, "error message").decode("utf-8", "replace"))
+        else:
+            raise BundleFormatError(f"unknown frame tag {tag!r}")
+    if filled != header.payload_bytes:
+        raise BundleFormatError(f"bundle payload truncated: {filled} of {header.payload_bytes} bytes")
+    crc &= 0xFFFFFFFF
+    if crc != header.payload_crc32 or crc != declared:
+        raise BundleFormatError(
+            f"bundle payload checksum mismatch: computed {crc:08x}, "
+            f"header {header.payload_crc32:08x}, end marker {declared:08x}"
+        )
+    return header, tokens, payload
+
+
+def to_bytes(header: BundleHeader, tokens, payload) -> bytes:
+    """The whole bundle in memory (tests, small token-id bundles)."""
+    buf = io.BytesIO()
+    write_bundle(buf, header, tokens, payload)
+    return buf.getvalue()

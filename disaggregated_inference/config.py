@@ -1,0 +1,223 @@
+"""Cluster configuration: which models exist, which servers serve them, timeouts.
+
+One JSON file (``config_current.json``) drives the client, the local cluster,
+the server launcher and the operations scripts. It is validated once, on load;
+a bad file gets one ``ConfigError`` naming the file, the key and what was
+expected. The seeds' shape (``prefill_servers``/``decode_servers`` lists of
+``{host, port, model, name}`` and nothing else) loads as it is.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError
+
+DEFAULT_CONFIG_FILE = "config_current.json"
+
+# Settings a model entry (or a server entry, overriding its model) may carry.
+MODEL_KEYS = {
+    "backend": str,          # "llama_cpp" or "ollama"
+    "model": str,            # built-in name, GGUF path, "ollama:NAME" (llama_cpp) or Ollama model name (ollama)
+    "aliases": list,
+    "n_ctx": int,
+    "n_threads": int,
+    "n_batch": int,
+    "n_gpu_layers": int,
+    "flash_attn": bool,
+    "type_k": str,
+    "type_v": str,
+    "ollama_host": str,
+    "ollama_timeout": (int, float),
+    "keep_alive": (str, int),
+    "ollama_options": dict,
+}
+SERVER_KEYS = {"name": str, "host": str, "port": int, "model": str, "data_url": str, **{
+    k: v for k, v in MODEL_KEYS.items() if k != "aliases"}}
+CLIENT_DEFAULTS = {
+    "prefill_timeout": 60.0,
+    "decode_timeout": 180.0,
+    "connect_timeout": 3.0,
+    "health_timeout": 2.0,
+    "health_check_interval": 10.0,
+    "failures_before_down": 2,
+    "retries": 1,
+    "history_size": 200,
+    "api_token": None,
+}
+SERVER_DEFAULTS = {
+    "lease_seconds": 30.0,
+    "queue_timeout": 30.0,
+    "kv_fetch_timeout": 60.0,
+    "slow_transfer_seconds": 1.0,
+    "max_kv_bytes": 64 << 30,
+    "api_token": None,
+    "threads": 8,
+}
+# The production roles' names, used when a config has no "models" section.
+DEFAULT_ALIASES = {
+    "qwen": ["qwen3-coder:30b", "qwen3-coder"],
+    "gpt-oss": ["gpt-oss:120b", "gpt-oss-120b"],
+}
+
+
+@dataclass
+class ServerEntry:
+    role: str  # "prefill" or "decode"
+    name: str
+    host: str
+    port: int
+    model: str  # the key of a model entry
+    settings: dict = field(default_factory=dict)  # model settings merged with this server's overrides
+    data_url: str | None = None  # where peers fetch KV bundles, if not http://host:port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass
+class ClusterConfig:
+    models: dict
+    prefill_servers: list
+    decode_servers: list
+    client: dict
+    server: dict
+    source: str = "<dict>"
+
+    @property
+    def servers(self) -> list:
+        return self.prefill_servers + self.decode_servers
+
+    def resolve_model(self, name: str) -> str:
+        """The model key for a name or alias ('qwen3-coder:30b' -> 'qwen')."""
+        if name in self.models:
+            return name
+        lowered = name.lower()
+        for key, entry in self.models.items():
+            if lowered == key.lower() or lowered in (a.lower() for a in entry.get("aliases", [])):
+                return key
+        known = sorted(set(self.models) | {a for e in self.models.values() for a in e.get("aliases", [])})
+        from .errors import ModelNotFound
+
+        raise ModelNotFound(f"unknown model {name!r}; configured: {', '.join(known)}", field="model")
+
+    def find_server(self, name: str) -> ServerEntry:
+        for entry in self.servers:
+            if entry.name == name:
+                return entry
+        raise ConfigError(f"{self.source}: no server named {name!r} (have: {', '.join(s.name for s in self.servers)})")
+
+
+def _type_name(expected) -> str:
+    if isinstance(expected, tuple):
+        return " or ".join(t.__name__ for t in expected)
+    return expected.__name__
+
+
+def _check_keys(obj, spec: dict, where: str, source: str, required=()) -> None:
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{source}: {where} must be an object, got {type(obj).__name__}", field=where)
+    for key in required:
+        if key not in obj:
+            raise ConfigError(f"{source}: {where}.{key} is required", field=f"{where}.{key}")
+    for key, value in obj.items():
+        if key not in spec:
+            raise ConfigError(
+                f"{source}: unknown key {where}.{key} (expected one of: {', '.join(sorted(spec))})",
+                field=f"{where}.{key}",
+            )
+        expected = spec[key]
+        if value is None and key == "api_token":
+            continue
+        ok = isinstance(value, expected) and not (expected in (int, (int, float)) and isinstance(value, bool))
+        if not ok:
+            raise ConfigError(
+                f"{source}: {where}.{key} must be {_type_name(expected)}, got {json.dumps(value)}",
+                field=f"{where}.{key}",
+            )
+
+
+def _with_defaults(given, defaults: dict, where: str, source: str) -> dict:
+    """Check a flat section against the types of its defaults (a None default means a string)."""
+    spec = {k: str if v is None else (int, float) if isinstance(v, float) else type(v) for k, v in defaults.items()}
+    _check_keys(given, spec, where, source)
+    return {**defaults, **given}
+
+
+def from_dict(data: dict, source: str = "<dict>") -> ClusterConfig:
+    data = copy.deepcopy(data)
+    top = {"models": dict, "prefill_servers": list, "decode_servers": list, "client": dict, "server": dict,
+           "description": str}
+    _check_keys(data, top, "config", source, required=("prefill_servers", "decode_servers"))
+
+    models = data.get("models")
+    if models is None:  # seeds' shape: model keys come from the servers, aliases from the defaults
+        names = {s.get("model") for s in data["prefill_servers"] + data["decode_servers"] if isinstance(s, dict)}
+        models = {n: {"aliases": list(DEFAULT_ALIASES.get(n, []))} for n in sorted(filter(None, names))}
+    for key, entry in models.items():
+        _check_keys(entry, MODEL_KEYS, f"models.{key}", source)
+        if entry.get("backend", "llama_cpp") not in ("llama_cpp", "ollama"):
+            raise ConfigError(f"{source}: models.{key}.backend must be 'llama_cpp' or 'ollama', "
+                              f"got {entry['backend']!r}", field=f"models.{key}.backend")
+        for alias in entry.get("aliases", []):
+            if not isinstance(alias, str):
+                raise ConfigError(f"{source}: models.{key}.aliases must be a list of strings", field=f"models.{key}.aliases")
+
+    client = _with_defaults(data.get("client", {}), CLIENT_DEFAULTS, "client", source)
+    server = _with_defaults(data.get("server", {}), SERVER_DEFAULTS, "server", source)
+
+    entries = {"prefill": [], "decode": []}
+    seen = set()
+    for role in ("prefill", "decode"):
+        for i, raw in enumerate(data[f"{role}_servers"]):
+            where = f"{role}_servers[{i}]"
+            _check_keys(raw, SERVER_KEYS, where, source, required=("host", "port", "model"))
+            if not 0 < raw["port"] < 65536:
+                raise ConfigError(f"{source}: {where}.port must be 1..65535, got {raw['port']}", field=f"{where}.port")
+            if raw["model"] not in models:
+                raise ConfigError(f"{source}: {where}.model {raw['model']!r} is not a key of models "
+                                  f"({', '.join(sorted(models))})", field=f"{where}.model")
+            name = raw.get("name") or f"{role}-{raw['model']}-{raw['host']}:{raw['port']}"
+            if name in seen:
+                raise ConfigError(f"{source}: {where}.name {name!r} is used twice", field=f"{where}.name")
+            seen.add(name)
+            settings = {k: v for k, v in models[raw["model"]].items() if k != "aliases"}
+            # a server's "model" names a model entry; every other model key it carries overrides that entry
+            settings.update({k: v for k, v in raw.items() if k in MODEL_KEYS and k != "model"})
+            settings.setdefault("backend", "llama_cpp" if "model" in models[raw["model"]] else "ollama")
+            settings.setdefault("model", raw["model"])
+            entries[role].append(ServerEntry(role, name, raw["host"], raw["port"], raw["model"], settings,
+                                             raw.get("data_url")))
+    return ClusterConfig(models, entries["prefill"], entries["decode"], client, server, source)
+
+
+def load(path: str | os.PathLike | None = None) -> ClusterConfig:
+    """Load and validate a config file (default: ``$DISAGG_CONFIG`` or ./config_current.json)."""
+    path = Path(path or os.environ.get("DISAGG_CONFIG") or DEFAULT_CONFIG_FILE)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    return from_dict(data, str(path))
+
+
+def coerce(config) -> ClusterConfig:
+    """Accept a ClusterConfig, a dict or a path."""
+    if isinstance(config, ClusterConfig):
+        return config
+    if isinstance(config, dict):
+        return from_dict(config)
+    return load(config)

@@ -1,0 +1,112 @@
+"""Leases on prefilled KV bundles held by a prefill server.
+
+A bundle is held until it has been fetched whole or its lease runs out,
+whichever comes first; then the table drops its last reference and the
+payload's memory is freed. A failed or partial fetch leaves the lease in place
+so the decode side can try again before it expires.
+"""
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from .errors import LeaseExpired, NotFound
+
+
+@dataclass
+class Lease:
+    handle: str
+    header: object  # bundle.BundleHeader
+    tokens: list
+    payload: object  # any buffer; the only reference the server keeps
+    expires_at: float
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def nbytes(self) -> int:
+        return self.header.payload_bytes
+
+
+class LeaseTable:
+    """Thread-safe table of leases, with a sweeper thread for expiry."""
+
+    def __init__(self, ttl_seconds: float = 30.0, sweep_every: float = 1.0, remember: int = 4096, clock=time.time):
+        self.ttl = float(ttl_seconds)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        # handle -> why it is gone ("fetched" or "expired"), so a late caller learns the reason.
+        self._gone: OrderedDict[str, str] = OrderedDict()
+        self._remember = remember
+        self.expired_total = 0
+        self.fetched_total = 0
+        self._stop = threading.Event()
+        self._sweeper = None
+        if sweep_every:
+            self._sweeper = threading.Thread(target=self._sweep_loop, args=(sweep_every,), name="lease-sweeper", daemon=True)
+            self._sweeper.start()
+
+    def put(self, header, tokens, payload, ttl_seconds: float | None = None) -> Lease:
+        ttl = self.ttl if ttl_seconds is None else float(ttl_seconds)
+        lease = Lease(secrets.token_urlsafe(18), header, tokens, payload, self._clock() + ttl)
+        with self._lock:
+            self._sweep_locked()
+            self._leases[lease.handle] = lease
+        return lease
+
+    def get(self, handle: str) -> Lease:
+        """The live lease for ``handle``; 410 if it expired, 404 if unknown or fetched."""
+        with self._lock:
+            self._sweep_locked()
+            lease = self._leases.get(handle)
+            if lease is not None:
+                return lease
+            why = self._gone.get(handle)
+        if why == "expired":
+            raise LeaseExpired(f"KV lease {handle} expired before it was fetched", field="handle")
+        if why == "fetched":
+            raise NotFound(f"KV bundle {handle} was already fetched and freed", field="handle")
+        raise NotFound(f"unknown KV handle {handle!r}", field="handle")
+
+    def release(self, handle: str, why: str = "fetched") -> None:
+        with self._lock:
+            if self._leases.pop(handle, None) is not None:
+                self._forget_locked(handle, why)
+                if why == "fetched":
+                    self.fetched_total += 1
+
+    def stats(self) -> dict:
+        with self._lock:
+            self._sweep_locked()
+            return {
+                "held": len(self._leases),
+                "bytes": sum(lease.nbytes for lease in self._leases.values()),
+                "ttl_seconds": self.ttl,
+                "expired_total": self.expired_total,
+                "fetched_total": self.fetched_total,
+            }
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._leases.clear()
+
+    def _forget_locked(self, handle: str, why: str) -> None:
+        self._gone[handle] = why
+        while len(self._gone) > self._remember:
+            self._gone.popitem(last=False)
+
+    def _sweep_locked(self) -> None:
+        now = self._clock()
+        for handle in [h for h, lease in self._leases.items() if lease.expires_at <= now]:
+            del self._leases[handle]
+            self._forget_locked(handle, "expired")
+            self.expired_total += 1
+
+    def _sweep_loop(self, every: float) -> None:
+        while not self._stop.wait(every):
+            with self._lock:
+                self._sweep_locked()

@@ -1,0 +1,96 @@
+"""What one server process needs to know: its role, its model, its limits.
+
+A server gets its settings from, in order: the defaults here, then the cluster
+config file and server name (``DISAGG_CONFIG`` + ``DISAGG_SERVER``) or a JSON
+object in ``DISAGG_SERVER_SETTINGS`` (what ``disagg serve`` passes to gunicorn),
+then a dict given to ``create_app`` (tests).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields, replace
+
+from . import config as cluster_config
+from .backends.base import ModelSettings
+from .errors import ConfigError
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    role: str = "prefill"
+    model: ModelSettings = field(default_factory=ModelSettings)
+    name: str = ""
+    lease_seconds: float = 30.0
+    queue_timeout: float = 30.0
+    kv_fetch_timeout: float = 60.0
+    connect_timeout: float = 3.0
+    slow_transfer_seconds: float = 1.0
+    max_kv_bytes: int = 64 << 30
+    api_token: str | None = None
+    data_url: str | None = None  # base URL peers use to fetch KV from this server
+    aliases: tuple = ()
+
+    def to_json(self) -> str:
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model"}
+        data["model"] = {f.name: getattr(self.model, f.name) for f in fields(self.model)}
+        data["aliases"] = list(self.aliases)
+        return json.dumps(data)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "settings") -> "ServerSettings":
+        data = dict(data)
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(f"{where}: unknown server setting {sorted(unknown)[0]!r}", field=sorted(unknown)[0])
+        model = data.pop("model", {})
+        if isinstance(model, dict):
+            unknown = set(model) - set(ModelSettings.__dataclass_fields__)
+            if unknown:
+                raise ConfigError(f"{where}: unknown model setting {sorted(unknown)[0]!r}", field=f"model.{sorted(unknown)[0]}")
+            model = ModelSettings(**model)
+        if data.get("role", "prefill") not in ROLES:
+            raise ConfigError(f"{where}: role must be one of {ROLES}, got {data.get('role')!r}", field="role")
+        data["aliases"] = tuple(data.get("aliases", ()))
+        return cls(model=model, **data)
+
+
+def from_cluster(cfg: cluster_config.ClusterConfig, server_name: str) -> ServerSettings:
+    entry = cfg.find_server(server_name)
+    server = cfg.server
+    model = ModelSettings.from_dict(entry.settings, name=entry.model)
+    return ServerSettings(
+        role=entry.role, model=model, name=entry.name,
+        lease_seconds=float(server["lease_seconds"]), queue_timeout=float(server["queue_timeout"]),
+        kv_fetch_timeout=float(server["kv_fetch_timeout"]),
+        slow_transfer_seconds=float(server["slow_transfer_seconds"]),
+        max_kv_bytes=int(server["max_kv_bytes"]), api_token=server.get("api_token"),
+        data_url=entry.data_url, aliases=tuple(cfg.models[entry.model].get("aliases", ())),
+    )
+
+
+def resolve(override=None, role: str | None = None) -> ServerSettings:
+    if isinstance(override, ServerSettings):
+        settings = override
+    else:
+        raw = os.environ.get("DISAGG_SERVER_SETTINGS")
+        if raw:
+            try:
+                settings = ServerSettings.from_dict(json.loads(raw), "DISAGG_SERVER_SETTINGS")
+            except ValueError as exc:
+                raise ConfigError(f"DISAGG_SERVER_SETTINGS is not valid JSON: {exc}") from None
+        elif os.environ.get("DISAGG_SERVER"):
+            settings = from_cluster(cluster_config.load(), os.environ["DISAGG_SERVER"])
+        else:
+            settings = ServerSettings(role=role or "prefill")
+        if override:
+            base = json.loads(settings.to_json())
+            model = {**base.pop("model"), **override.get("model", {})}
+            base.update({k: v for k, v in override.items() if k != "model"})
+            base["model"] = model
+            settings = ServerSettings.from_dict(base, "create_app(config)")
+    if role and settings.role != role:
+        settings = replace(settings, role=role)
+    return settings

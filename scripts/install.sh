@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Create (or reuse) the virtual environment .venv/ and install the project into it.
+#
+# llama-cpp-python is built from source once per set of build flags and the wheel
+# is kept under ~/.cache/disaggregated-inference/wheels/, so a second install,
+# or a new clone on the same machine, starts in seconds.
+#
+#   LLAMA_CMAKE_ARGS   build flags for llama.cpp. Default: a portable CPU build
+#                      (AVX2, no AVX-512/AMX). On a DGX: "-DGGML_CUDA=on
+#                      -DCMAKE_CUDA_ARCHITECTURES=90"; on a Mac: "-DGGML_METAL=on".
+#   PYTHON             the interpreter that creates the venv (default python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+LLAMA_VERSION=0.3.36
+PORTABLE_CPU="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+if [ "$(uname -s)" = "Darwin" ]; then PORTABLE_CPU="-DGGML_METAL=on"; fi
+CMAKE_FLAGS="${LLAMA_CMAKE_ARGS:-$PORTABLE_CPU}"
+flags_id=$(printf '%s %s' "$LLAMA_VERSION" "$CMAKE_FLAGS" | sha256sum 2>/dev/null | cut -c1-12 || printf '%s' "$CMAKE_FLAGS" | shasum | cut -c1-12)
+WHEELS="${DISAGG_WHEEL_CACHE:-$HOME/.cache/disaggregated-inference/wheels}/$flags_id"
+
+say() { printf '[install] %s\n' "$*" >&2; }
+
+if [ ! -x .venv/bin/python ]; then
+  say "creating .venv with $(${PYTHON:-python3} --version)"
+  "${PYTHON:-python3}" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+fi
+PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+
+stamp=.venv/.disagg-install-stamp
+want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)-$flags_id
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import llama_cpp, disaggregated_inference" 2>/dev/null; then
+  say "environment up to date (.venv)"
+  exit 0
+fi
+
+have=$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('llama-cpp-python'))" 2>/dev/null || true)
+if [ "$have" != "$LLAMA_VERSION" ] || [ ! -f .venv/.llama-flags ] || [ "$(cat .venv/.llama-flags)" != "$flags_id" ]; then
+  if ! ls "$WHEELS"/llama_cpp_python-"$LLAMA_VERSION"-*.whl >/dev/null 2>&1; then
+    say "building llama-cpp-python $LLAMA_VERSION from source (once per machine; about 8 minutes on 2 cores)"
+    say "  flags: $CMAKE_FLAGS"
+    mkdir -p "$WHEELS"
+    CMAKE_ARGS="$CMAKE_FLAGS" .venv/bin/python -m pip wheel -q --no-deps --no-cache-dir -w "$WHEELS" \
+      "llama-cpp-python==$LLAMA_VERSION"
+  fi
+  say "installing llama-cpp-python $LLAMA_VERSION from $WHEELS"
+  "${PIP[@]}" --force-reinstall --no-deps "$WHEELS"/llama_cpp_python-"$LLAMA_VERSION"-*.whl
+  echo "$flags_id" > .venv/.llama-flags
+fi
+
+say "installing the project and its dependencies"
+"${PIP[@]}" -e '.[test]'
+say "preparing the packaged models (no downloads)"
+.venv/bin/python -c "from disaggregated_inference.models import resolve_gguf; [print('[install]  ', n, resolve_gguf(n)) for n in ('smollm2', 'gemma3-270m')]"
+echo "$want" > "$stamp"
+say "done: .venv is ready"

@@ -1,0 +1,56 @@
+"""Shared fixtures: a real local cluster of gunicorn servers on free ports.
+
+The cluster runs the two packaged models (SmolLM2 as "qwen", Gemma 3 270M as
+"gpt-oss"), one prefill and one decode server each, exactly as
+``config_current.json`` does, but on ports the OS picks.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import requests
+
+ROOT = Path(__file__).resolve().parents[1]
+THREADS = 2  # greedy output depends on the thread count: tests and servers use the same
+
+
+def cluster_config_dict(**server) -> dict:
+    data = json.loads((ROOT / "config_current.json").read_text())
+    for model in data["models"].values():
+        model["n_threads"] = THREADS
+    data["client"]["health_check_interval"] = 0  # tests drive health checks themselves
+    data["server"].update(server)
+    return data
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    from disaggregated_inference.cluster import LocalCluster
+
+    logs = tmp_path_factory.mktemp("server-logs")
+    with LocalCluster(cluster_config_dict(), free_ports=True, log_dir=logs) as running:
+        running.wait_healthy(timeout=600)
+        yield running
+
+
+@pytest.fixture(scope="session")
+def urls(cluster) -> dict:
+    return {p.entry.name: p.url for p in cluster.processes}
+
+
+@pytest.fixture(scope="session")
+def qwen_prefill(urls):
+    return urls["local-prefill-qwen"]
+
+
+@pytest.fixture(scope="session")
+def qwen_decode(urls):
+    return urls["local-decode-qwen"]
+
+
+@pytest.fixture(scope="session")
+def http():
+    with requests.Session() as session:
+        yield session

@@ -1,0 +1,102 @@
+"""The KV bundle wire format, round-tripped through byte buffers."""
+import io
+import os
+import struct
+
+import pytest
+
+from disaggregated_inference import bundle
+
+
+def make(payload: bytes = None, tokens=(1, 2, 3, 40000), kind=bundle.KIND_LLAMA_SEQ_STATE):
+    payload = os.urandom(3 * 1024 * 1024 + 17) if payload is None else payload
+    header = bundle.BundleHeader(kind=kind, n_tokens=len(tokens), payload_bytes=len(payload),
+                                 payload_crc32=bundle.payload_crc32(payload),
+                                 fingerprint={"model_sha256": "ab" * 32, "flash_attn": True},
+                                 meta={"stop": ["<|im_end|>"]})
+    return header, list(tokens), payload
+
+
+def test_round_trip_preserves_header_tokens_and_payload():
+    header, tokens, payload = make()
+    raw = bundle.to_bytes(header, tokens, payload)
+    got_header, got_tokens, got_payload = bundle.read_bundle(io.BytesIO(raw))
+    assert got_header == header
+    assert got_tokens == tokens
+    assert bytes(got_payload) == payload
+    assert len(raw) == bundle.encoded_length(header)
+
+
+def test_payload_is_framed_in_chunks_without_copying_the_source():
+    header, tokens, payload = make(payload=bytes(range(256)) * 1000)
+    pieces = list(bundle.iter_encoded(header, tokens, bytearray(payload), chunk_size=4096))
+    data_pieces = [p for p in pieces if isinstance(p, memoryview)]
+    assert len(data_pieces) == -(-len(payload) // 4096)
+    assert all(len(p) <= 4096 for p in data_pieces)
+    out = io.BytesIO()
+    bundle.write_bundle(out, header, tokens, payload, chunk_size=4096)
+    assert b"".join(bytes(p) for p in pieces) == out.getvalue()
+    assert bundle.encoded_length(header, chunk_size=4096) == len(out.getvalue())
+
+
+def test_empty_payload_token_id_bundle_round_trips():
+    header, tokens, payload = make(payload=b"", kind=bundle.KIND_TOKEN_IDS)
+    got_header, got_tokens, got_payload = bundle.read_bundle(io.BytesIO(bundle.to_bytes(header, tokens, payload)))
+    assert got_header.kind == bundle.KIND_TOKEN_IDS and got_tokens == tokens and got_payload == bytearray()
+
+
+@pytest.mark.parametrize("cut", [3, 20, 200, 5000, 1])
+def test_truncated_bundle_is_rejected_with_where_it_stopped(cut):
+    header, tokens, payload = make(payload=os.urandom(10000))
+    raw = bundle.to_bytes(header, tokens, payload)
+    with pytest.raises(bundle.BundleFormatError, match="truncated"):
+        bundle.read_bundle(io.BytesIO(raw[: len(raw) - cut] if cut != 3 else raw[:3]))
+
+
+def test_corrupted_payload_byte_fails_the_checksum():
+    header, tokens, payload = make(payload=os.urandom(10000))
+    raw = bytearray(bundle.to_bytes(header, tokens, payload))
+    raw[len(raw) - 100] ^= 0xFF  # inside the last data frame
+    with pytest.raises(bundle.BundleFormatError, match="checksum mismatch"):
+        bundle.read_bundle(io.BytesIO(bytes(raw)))
+
+
+def test_foreign_bytes_and_other_versions_are_refused():
+    with pytest.raises(bundle.BundleFormatError, match="bad magic"):
+        bundle.read_bundle(io.BytesIO(b"GGUF" + b"\0" * 100))
+    header, tokens, payload = make(payload=b"xyz")
+    raw = bytearray(bundle.to_bytes(header, tokens, payload))
+    struct.pack_into("<H", raw, 8, 99)
+    with pytest.raises(bundle.BundleFormatError, match="version 99"):
+        bundle.read_bundle(io.BytesIO(bytes(raw)))
+
+
+def test_payload_longer_than_declared_is_refused():
+    header, tokens, payload = make(payload=b"abcdef")
+    raw = bundle.encode_preamble(header, tokens) + b"D" + struct.pack("<I", 7) + b"abcdefg"
+    with pytest.raises(bundle.BundleFormatError, match="longer than its header"):
+        bundle.read_bundle(io.BytesIO(raw))
+
+
+def test_error_frame_from_the_sender_is_raised_with_its_code():
+    header, tokens, payload = make(payload=b"abcdef")
+    raw = bundle.encode_preamble(header, tokens) + bundle.encode_error(7, "model unloaded")
+    with pytest.raises(bundle.BundleRemoteError) as info:
+        bundle.read_bundle(io.BytesIO(raw))
+    assert info.value.code == 7 and "model unloaded" in str(info.value)
+
+
+def test_payload_limit_is_enforced_before_allocating():
+    header, tokens, payload = make(payload=b"x" * 1000)
+    with pytest.raises(bundle.BundleFormatError, match="exceeds the limit"):
+        bundle.read_bundle(io.BytesIO(bundle.to_bytes(header, tokens, payload)), max_payload_bytes=999)
+
+
+def test_header_rejects_unknown_kind_and_bad_token_counts():
+    with pytest.raises(bundle.BundleFormatError, match="unknown bundle kind"):
+        bundle.BundleHeader.from_json(b'{"kind":"pickle","n_tokens":1,"payload_bytes":0,"payload_crc32":0}')
+    with pytest.raises(bundle.BundleFormatError, match="not valid"):
+        bundle.BundleHeader.from_json(b'{"kind":"token_ids","n_tokens":1,"surprise":1,'
+                                      b'"payload_bytes":0,"payload_crc32":0}')
+    with pytest.raises(ValueError, match="header says 2 tokens"):
+        bundle.encode_preamble(make(payload=b"", tokens=(1, 2))[0], [1])

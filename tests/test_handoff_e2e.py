@@ -1,0 +1,153 @@
+"""The KV handoff for real: SmolLM2 in gunicorn prefill and decode servers on free ports.
+
+SmolLM2 has full attention, so its restored KV is bit-exact and the greedy text
+through the handoff must equal, token for token, what the prefill side itself
+generates from the same state.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from disaggregated_inference.backends import ModelSettings, Prompt, create
+
+from .conftest import THREADS
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 24
+FILLER = ("The quarterly sales report lists revenue by region, product line and month, "
+          "with notes on returns, discounts and the marketing campaigns that ran. ")
+
+
+def prompt_of(n_repeats: int) -> str:
+    return FILLER * n_repeats + "\nSummarise the report above in one sentence."
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The prefill side's own continuation, computed in this process with the same settings."""
+    import llama_cpp
+
+    backend = create(ModelSettings(model="smollm2", n_threads=THREADS, n_ctx=4096))
+    backend.load()
+
+    def continue_in_process(prompt: str) -> tuple[list[int], str]:
+        prefilled = backend.prefill(Prompt(text=prompt))  # evaluates tokens[:-1], state stays in this context
+        llm = backend.llm
+        out = []
+        for token in llm.generate(prefilled.tokens, temp=0.0, top_k=40, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+            if llama_cpp.llama_vocab_is_eog(llm._model.vocab, token) or len(out) == MAX_NEW:
+                break
+            out.append(token)
+        return prefilled.tokens, llm.detokenize(out).decode("utf-8", "replace")
+
+    yield continue_in_process
+    backend.close()
+
+
+@pytest.mark.parametrize("repeats", [0, 10, 37, 73])
+def test_greedy_text_through_the_handoff_equals_the_prefill_process_own_continuation(
+        repeats, reference, http, qwen_prefill, qwen_decode):
+    prompt = prompt_of(repeats)
+    tokens, expected = reference(prompt)
+
+    pre = http.post(f"{qwen_prefill}/prefill", json={"prompt": prompt}).json()
+    assert pre["prompt_tokens"] == len(tokens)
+    assert pre["handoff"] == "llama_seq_state"
+    assert pre["metrics"]["prompt_tokens_evaluated"] == len(tokens) - 1
+    assert pre["kv"]["bytes"] > 0 and pre["kv"]["url"].startswith(qwen_prefill)
+
+    resp = http.post(f"{qwen_decode}/decode", json={"kv": pre["kv"], "max_new_tokens": MAX_NEW, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert out["generated_text"] == expected
+    m = out["metrics"]
+    assert m["method"] == "kv_handoff" and m["handoff"] == "llama_seq_state"
+    assert m["prompt_tokens_recomputed"] == 1, "the decode side must evaluate only the last prompt token"
+    assert m["kv_bytes"] == pre["kv"]["bytes"]
+    # SmolLM2: 30 layers x 3 KV heads x 64 dims x (K + V) x f16 = 23,040 bytes per cached token
+    assert m["kv_bytes"] >= 23_040 * (len(tokens) - 1)
+    assert m["completion_tokens"] <= MAX_NEW and m["ttft"] > 0
+
+    # the monolithic path evaluates the prompt the same way (all but the last, then the last)
+    mono = http.post(f"{qwen_decode}/generate", json={"prompt": prompt, "max_new_tokens": MAX_NEW}).json()
+    assert mono["generated_text"] == expected
+    assert mono["metrics"]["prompt_tokens_recomputed"] == len(tokens)
+    assert mono["metrics"]["method"] == "decode_only"
+
+
+def test_longest_prompt_is_about_two_thousand_tokens(reference):
+    tokens, _ = reference(prompt_of(73))
+    assert 1800 <= len(tokens) <= 2100
+
+
+def test_streaming_returns_the_same_text_as_non_streaming(http, qwen_prefill, qwen_decode):
+    prompt = prompt_of(3)
+    body = {"max_new_tokens": MAX_NEW, "temperature": 0}
+    whole = http.post(f"{qwen_decode}/decode", json={
+        "kv": http.post(f"{qwen_prefill}/prefill", json={"prompt": prompt}).json()["kv"], **body}).json()
+    kv = http.post(f"{qwen_prefill}/prefill", json={"prompt": prompt}).json()["kv"]
+    resp = http.post(f"{qwen_decode}/decode", json={"kv": kv, "stream": True, **body}, stream=True)
+    assert resp.headers["Content-Type"].startswith("application/x-ndjson")
+    lines = [json.loads(line) for line in resp.iter_lines() if line]
+    assert lines[-1]["done"] is True and "metrics" in lines[-1]
+    assert all(line["done"] is False for line in lines[:-1]) and len(lines) > 2
+    assert "".join(line["text"] for line in lines[:-1]) == whole["generated_text"]
+    assert lines[-1]["metrics"]["completion_tokens"] == whole["metrics"]["completion_tokens"]
+    assert lines[-1]["metrics"]["prompt_tokens_recomputed"] == 1
+
+
+def test_fetched_bundle_is_freed_and_cannot_be_fetched_twice(http, qwen_prefill, qwen_decode):
+    kv = http.post(f"{qwen_prefill}/prefill", json={"prompt": prompt_of(2)}).json()["kv"]
+    held = http.get(f"{qwen_prefill}/health").json()["leases"]
+    assert held["held"] >= 1 and held["bytes"] >= kv["bytes"]
+    assert http.post(f"{qwen_decode}/decode", json={"kv": kv, "max_new_tokens": 2}).status_code == 200
+    again = http.get(kv["url"])
+    assert again.status_code == 404 and "already fetched" in again.json()["error"]
+
+
+def _rss(http, url) -> int:
+    return http.get(f"{url}/health").json()["resources"]["process_rss_bytes"]
+
+
+def test_lease_expires_and_its_memory_is_freed(http, qwen_prefill, qwen_decode):
+    before = http.get(f"{qwen_prefill}/health").json()["leases"]
+    pre = http.post(f"{qwen_prefill}/prefill", json={"prompt": prompt_of(70), "lease_seconds": 1.5}).json()
+    kv = pre["kv"]
+    assert kv["bytes"] > 35_000_000  # large enough that its buffer is its own mapping
+    rss_held = _rss(http, qwen_prefill)
+    time.sleep(3.0)  # the sweeper runs every second
+    after = http.get(f"{qwen_prefill}/health").json()
+    assert after["leases"]["held"] == 0 and after["leases"]["bytes"] == 0
+    assert after["leases"]["expired_total"] >= before["expired_total"] + 1
+    assert rss_held - after["resources"]["process_rss_bytes"] >= 0.9 * kv["bytes"]
+    late = http.post(f"{qwen_decode}/decode", json={"kv": kv, "max_new_tokens": 2})
+    assert late.status_code == 410 and late.json()["code"] == "lease_expired"
+
+
+def test_token_ids_only_make_the_decode_side_recompute_the_whole_prompt(http, qwen_prefill, qwen_decode):
+    prompt = prompt_of(1)
+    pre = http.post(f"{qwen_prefill}/prefill", json={"prompt": prompt}).json()
+    with_kv = http.post(f"{qwen_decode}/decode", json={"kv": pre["kv"], "max_new_tokens": 8}).json()
+    # the same ids without the KV: what Ollama's `context` amounts to
+    ids_only = http.post(f"{qwen_decode}/decode", json={
+        "tokens": _tokens_of(http, qwen_prefill, prompt), "fingerprint": pre["fingerprint"],
+        "max_new_tokens": 8}).json()
+    assert ids_only["metrics"]["method"] == "token_ids_recompute"
+    assert ids_only["metrics"]["prompt_tokens_recomputed"] == pre["prompt_tokens"]
+    assert ids_only["metrics"]["kv_bytes"] == 0
+    assert ids_only["generated_text"] == with_kv["generated_text"]
+
+
+def _tokens_of(http, prefill_url, prompt) -> list[int]:
+    """The prompt's token ids, read from the bundle itself (the wire format carries them)."""
+    import io
+
+    from disaggregated_inference import bundle
+
+    kv = http.post(f"{prefill_url}/prefill", json={"prompt": prompt}).json()["kv"]
+    _, tokens, _ = bundle.read_bundle(io.BytesIO(http.get(kv["url"]).content))
+    return tokens
