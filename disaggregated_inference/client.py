@@ -118,9 +118,10 @@ class DisaggregatedClient:
         try:
             resp = self.session.post(url, json=body, timeout=(self.connect_timeout, timeout))
         except requests.Timeout:
-            raise UpstreamTimeout(f"{server.entry.name} ({url}) timed out after {timeout:g}s") from None
+            raise UpstreamTimeout(f"{server.entry.name} ({url}) timed out after {timeout:g}s", transport=True) from None
         except requests.RequestException as exc:
-            raise UpstreamError(f"{server.entry.name} ({url}) unreachable: {type(exc).__name__}") from None
+            raise UpstreamError(f"{server.entry.name} ({url}) unreachable: {type(exc).__name__}",
+                                transport=True) from None
         server.latency_s = round(time.perf_counter() - started, 4)
         try:
             data = resp.json()
@@ -292,7 +293,8 @@ class DisaggregatedClient:
             try:
                 return self._post(server, "/decode", body, self.decode_timeout)
             except DisaggError as exc:
-                if exc.code in KV_LOST_CODES and exc.status != 503:
+                # an answer from the decode server saying the KV is gone (not a failure to reach it)
+                if exc.code in KV_LOST_CODES and exc.status != 503 and not exc.details.get("transport"):
                     # the decode server is fine; the bundle is not: recompute, do not blame the server
                     raise _Attempt(server, _KVLost(exc.message), retryable=False) from None
                 raise

@@ -1,0 +1,103 @@
+"""Command line of the grader (``business_analytics_grader_v2.py``): parse arguments, call the package.
+
+Exit codes: 0 graded (flagged submissions included), 1 some submissions could
+not be graded (the cluster did not answer) or another error, 2 a bad rubric,
+config or argument.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+
+from .. import config as cluster_config
+from ..errors import ConfigError, DisaggError, RubricError
+from .batch import StderrProgress, grade_batch, pending
+from .connect import open_client
+from .options import DEFAULT_SEED, GradingOptions
+from .rubric import load_rubric
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="business_analytics_grader_v2.py",
+        description="Grade business-analytics Jupyter notebooks against a rubric: deterministic checks, then a "
+                    "code-analysis model and a feedback model in parallel on the disaggregated cluster.")
+    p.add_argument("target", help="a notebook (.ipynb) or a folder of notebooks")
+    p.add_argument("--rubric", required=True, help="rubric file (.yaml, .yml or .json)")
+    p.add_argument("--out", default="grades", metavar="DIR",
+                   help="where the per-submission JSON/Markdown, gradebook.csv and summary go (default: grades)")
+    p.add_argument("--config", default=None,
+                   help="cluster config file (default: $DISAGG_CONFIG or config_current.json)")
+    p.add_argument("--local-cluster", action="store_true",
+                   help="start the config's servers on this machine (free ports) for this run, stop them after")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the local cluster's models")
+    p.add_argument("--force", action="store_true", help="grade again submissions already graded")
+    p.add_argument("--code-model", default="qwen", help="model that analyses the code and scores (default: qwen)")
+    p.add_argument("--feedback-model", default="gpt-oss", help="model that writes feedback (default: gpt-oss)")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="sampling seed (temperature is 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    return p
+
+
+def run(args) -> int:
+    rubric = load_rubric(args.rubric)  # a bad rubric fails before any server starts
+    cfg = cluster_config.load(args.config)
+    progress_bar = None if args.no_progress else StderrProgress()
+    if not args.force and not pending(args.target, rubric, args.out):
+        # everything is graded already: rebuild the reports without starting or asking any server
+        return report(grade_batch(args.target, rubric, None, args.out, progress=progress_bar), args)
+    if args.local_cluster:
+        _say(f"starting the local cluster of {cfg.source} (free ports); loading models...")
+
+    def progress(name, message):
+        _say(f"  [{name}] {message}")
+
+    with open_client(cfg, local_cluster=args.local_cluster, timeout=args.timeout, progress=progress,
+                     models=(args.code_model, args.feedback_model)) as client:
+        options = GradingOptions.for_cluster(client.config, code_model=args.code_model,
+                                             feedback_model=args.feedback_model, seed=args.seed)
+        batch = grade_batch(args.target, rubric, client, args.out, options, force=args.force, progress=progress_bar)
+    return report(batch, args)
+
+
+def report(batch, args) -> int:
+    summary = batch.summary
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        inf = summary["inference"]
+        print(f"{summary['submissions']} submissions ({len(batch.graded)} graded now, {len(batch.resumed)} kept from "
+              f"an earlier run); mean {summary['mean']} / {summary['max_points']}, stdev {summary['stdev']}")
+        for flag in summary["flagged"]:
+            print(f"  needs review: {flag['submission']} ({flag['status']}): {'; '.join(flag['reasons'])}")
+        print(f"prefill {inf['prefill_time']} s, decode {inf['decode_time']} s, parallel speedup {inf['speedup']}x")
+        print(f"reports in {batch.out_dir}/ (gradebook.csv, summary.md, one .json and .md per submission)")
+    return 1 if summary["by_status"].get("error") else 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM too: the embedded cluster is stopped on the way out
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return run(args)
+    except (ConfigError, RubricError) as exc:
+        _say(f"grader: {exc.message}")
+        return 2
+    except DisaggError as exc:
+        _say(f"grader: {exc.message}")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,64 @@
+"""A client for the grader: to a running cluster named by a config, or to an embedded local one."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from .. import config as cluster_config
+from ..errors import GradingError
+
+
+def start_local_cluster(config=None, timeout: float = 600.0, progress=None):
+    """Start every server of ``config`` on this machine, on free ports; wait until all are healthy.
+
+    Returns the ``LocalCluster``; its ``config`` (a dict) says where the servers listen.
+    """
+    from ..cluster import LocalCluster
+
+    cluster = LocalCluster(cluster_config.coerce(config if config is not None else cluster_config.load()),
+                           free_ports=True).start()
+    try:
+        cluster.wait_healthy(timeout=timeout, progress=progress)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def require_servers(client, models=()) -> None:
+    """Fail early, with a useful message, when no decode server of a needed model answers.
+
+    (A model without a prefill server still works: its decode server generates alone.)
+    """
+    states = client.check_health()
+    config = getattr(client, "config", None)
+    keys = {config.resolve_model(m) if config else m for m in models} or {s["model"] for s in states}
+    missing = [k for k in sorted(keys)
+               if not any(s["role"] == "decode" and s["model"] == k and s["loaded"] for s in states)]
+    if missing:
+        where = ", ".join(f"{s['name']} ({s['url']}): {s['last_error'] or 'not loaded'}"
+                          for s in states if s["model"] in missing) or "none configured"
+        raise GradingError(f"no decode server answers for model {', '.join(missing)} [{where}]; start the "
+                           "cluster (`disagg up`) or grade with --local-cluster")
+
+
+@contextmanager
+def open_client(config=None, *, local_cluster: bool = False, timeout: float = 600.0, progress=None,
+                models=("qwen", "gpt-oss")):
+    """``with open_client(...) as client:`` - and the embedded cluster, if asked for, is stopped after."""
+    from ..client import DisaggregatedClient
+
+    cfg = cluster_config.coerce(config if config is not None else cluster_config.load())
+    cluster = start_local_cluster(cfg, timeout, progress) if local_cluster else None
+    try:
+        if cluster is not None:
+            cfg = cluster_config.from_dict(cluster.config, f"{cfg.source} (embedded local cluster)")
+        client = DisaggregatedClient(cfg)
+        try:
+            if models:
+                require_servers(client, models)
+            yield client
+        finally:
+            client.close()
+    finally:
+        if cluster is not None:
+            cluster.stop()

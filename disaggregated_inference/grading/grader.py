@@ -1,0 +1,140 @@
+"""Grade one notebook: the four layers in order, one JSON-ready result dict out.
+
+    from disaggregated_inference.client import DisaggregatedClient
+    from disaggregated_inference.grading import grade_notebook, load_rubric
+
+    result = grade_notebook("examples/notebooks/good_sales_analysis.ipynb",
+                            load_rubric("examples/rubric.yaml"), DisaggregatedClient("config_current.json"))
+    result["total"], result["criteria"], result["feedback"], result["inference"]["speedup"]
+
+A bad file is a result (``status: "invalid"``), never an exception; so is a
+cluster that cannot answer (``status: "error"``, graded again on the next run).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from datetime import datetime, timezone
+
+from .analysis import plan_requests
+from .evidence import check_rubric, collect_evidence
+from .notebook import load_submission
+from .options import GradingOptions
+from .rubric import Rubric, load_rubric
+from .validation import obtain_answers, reconcile
+
+RESULT_FORMAT = "grading-result/1"
+GRADED, NEEDS_REVIEW, INVALID, ERROR = "graded", "needs_review", "invalid", "error"
+FINAL_STATUSES = (GRADED, NEEDS_REVIEW, INVALID)  # an "error" result is graded again on the next run
+REQUEST_FIELDS = ("method", "prefill_time", "decode_time", "total_time", "prompt_tokens", "completion_tokens",
+                  "prefill_speed", "decode_speed", "prefill_server", "decode_server", "kv_bytes", "finish_reason")
+
+
+def inference_summary(answers, rounds) -> dict:
+    """Timings of every request of a submission, and the speedup of sending them in parallel."""
+    requests = [{"role": a.role, "model": a.model, "attempt": a.attempt, "error": a.error,
+                 **{k: a.metrics.get(k) for k in REQUEST_FIELDS}} for a in answers]
+    wall = sum(r.get("wall_time") or 0.0 for r in rounds)
+    sequential = sum(r.get("sequential_time") or 0.0 for r in rounds)
+    return {
+        "requests": requests,
+        "prefill_time": round(sum(r["prefill_time"] or 0.0 for r in requests), 6),
+        "decode_time": round(sum(r["decode_time"] or 0.0 for r in requests), 6),
+        "wall_time": round(wall, 6),
+        "sequential_time": round(sequential, 6),
+        "speedup": round(sequential / wall, 3) if wall > 0 and sequential > 0 else None,
+        "methods": sorted({r["method"] for r in requests if r["method"]}),
+        "fallbacks": sum(1 for r in requests if r["method"] == "decode_only_fallback"),
+    }
+
+
+def _base_result(sub, rubric: Rubric, options: GradingOptions) -> dict:
+    return {
+        "format": RESULT_FORMAT,
+        "submission": {"name": sub.name, "file": str(sub.path), "sha256": sub.sha256, "size_bytes": sub.size_bytes},
+        "rubric": {"title": rubric.title, "source": rubric.source, "fingerprint": rubric.fingerprint,
+                   "max_points": rubric.max_points},
+        "status": None,
+        "total": None,
+        "max_points": rubric.max_points,
+        "percent": None,
+        "needs_review": False,
+        "review_reasons": [],
+        "criteria": [],
+        "feedback": None,
+        "layers": {"submission": sub.summary()},
+        "inference": inference_summary([], []),
+        "options": options.to_dict(),
+        "graded_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def grade_notebook(path, rubric, client, options: GradingOptions | None = None, *, name: str | None = None) -> dict:
+    """Grade one notebook file with ``client`` (anything with ``generate_many``); return the result dict."""
+    options = options or GradingOptions()
+    rubric = rubric if isinstance(rubric, Rubric) else load_rubric(rubric)
+    started = time.perf_counter()
+    sub = load_submission(path, options.limits, name)
+    result = _base_result(sub, rubric, options)
+
+    # layer 1: the submission
+    if not sub.ok:
+        result.update(status=INVALID, needs_review=True,
+                      review_reasons=["not a gradable notebook: " + "; ".join(sub.problems)],
+                      elapsed_s=round(time.perf_counter() - started, 3))
+        return result
+
+    # layer 2: the evidence
+    evidence = collect_evidence(sub.notebook)
+    checks = check_rubric(rubric, evidence)
+    result["layers"]["evidence"] = {**evidence.to_dict(), "findings": evidence.findings(),
+                                    "checks": {cid: [asdict(k) for k in items] for cid, items in checks.items()}}
+
+    # layer 3: the two models, in parallel
+    requests, rendered = plan_requests(rubric, sub.notebook, evidence, checks, options)
+    analysed = obtain_answers(client, requests, rubric, options)
+    result["layers"]["analysis"] = {
+        "notebook_chars": rendered.original_chars,
+        "shown_chars": len(rendered.text),
+        "omitted": rendered.omitted,
+        "prompt_chars": {r.role: len(r.kwargs["prompt"]) for r in requests},
+        "answers": [a.to_dict() for a in analysed.answers],
+    }
+    result["inference"] = inference_summary(analysed.answers, analysed.combined)
+
+    # layer 4: validation and reconciliation
+    grades = reconcile(rubric, checks, analysed.code)
+    result["criteria"] = [g.to_dict() for g in grades]
+    result["layers"]["validation"] = {
+        "problems": analysed.problems,
+        "retried": sorted({a.role for a in analysed.answers if a.attempt > 1}),
+        "adjustments": {g.id: g.adjustments for g in grades if g.adjustments},
+    }
+    if analysed.feedback is not None or analysed.code is not None:
+        result["feedback"] = {**(analysed.feedback or {}), "issues": (analysed.code or {}).get("issues", [])}
+    if analysed.code is not None:
+        total = round(sum(g.score for g in grades), 2)
+        result.update(total=total, percent=round(100.0 * total / rubric.max_points, 1))
+    reasons = analysed.review_reasons
+    if rendered.trimmed:
+        result["layers"]["analysis"]["note"] = "the models saw a shortened notebook"
+    if analysed.code is None and analysed.request_failed.get("code"):
+        status = ERROR
+    else:
+        status = NEEDS_REVIEW if reasons else GRADED
+    result.update(status=status, needs_review=bool(reasons), review_reasons=reasons,
+                  elapsed_s=round(time.perf_counter() - started, 3))
+    return result
+
+
+def deterministic_part(result: dict) -> dict:
+    """What must not change when the same notebook is graded again with the same rubric, models and seed:
+    everything but timings, timestamps and server addresses."""
+    analysis = result["layers"].get("analysis", {})
+    return {
+        "status": result["status"], "total": result["total"], "criteria": result["criteria"],
+        "feedback": result["feedback"], "review_reasons": result["review_reasons"],
+        "submission": result["submission"]["sha256"], "rubric": result["rubric"]["fingerprint"],
+        "evidence": result["layers"].get("evidence"),
+        "answers": [(a["role"], a["attempt"], a["text"], a["error"]) for a in analysis.get("answers", [])],
+    }

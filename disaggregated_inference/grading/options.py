@@ -1,0 +1,48 @@
+"""How a grade is produced: which models, how long their answers may be, how much notebook fits."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from .notebook import Limits
+
+DEFAULT_SEED = 20251109
+
+
+@dataclass(frozen=True)
+class GradingOptions:
+    code_model: str = "qwen"          # code analysis and scores (the seeds' qwen3-coder:30b)
+    feedback_model: str = "gpt-oss"   # feedback to the student (the seeds' gpt-oss:120b)
+    temperature: float = 0.0
+    seed: int = DEFAULT_SEED
+    code_max_tokens: int = 768
+    feedback_max_tokens: int = 768
+    context_tokens: int = 4096        # the smaller context of the two models
+    chars_per_token: float = 2.5      # a cautious estimate for code; keeps prompts inside the context
+    output_chars: int = 300           # of each cell's text output shown to the models
+    limits: Limits = field(default_factory=Limits)
+
+    @property
+    def notebook_char_budget(self) -> int:
+        """Characters of notebook that fit beside the instructions and the longest answer."""
+        answer = max(self.code_max_tokens, self.feedback_max_tokens)
+        instructions = 700  # tokens of rubric, evidence and instructions (rubrics of a few criteria)
+        tokens = self.context_tokens - answer - instructions - 64
+        return max(1000, int(tokens * self.chars_per_token))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def for_cluster(cls, config, **overrides) -> "GradingOptions":
+        """Options whose context budget fits the configured models (their smallest ``n_ctx``)."""
+        options = cls(**overrides)
+        if "context_tokens" in overrides or config is None:
+            return options
+        keys = set()
+        for name in (options.code_model, options.feedback_model):
+            try:
+                keys.add(config.resolve_model(name))
+            except Exception:  # an unknown model is reported when it is asked for
+                continue
+        sizes = [config.models[k].get("n_ctx") for k in keys if config.models.get(k, {}).get("n_ctx")]
+        return replace(options, context_tokens=min(sizes)) if sizes else options

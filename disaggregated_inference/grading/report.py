@@ -1,0 +1,215 @@
+"""Reports: a JSON and a Markdown file per submission; a CSV gradebook and a summary per batch."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import statistics
+from pathlib import Path
+
+
+def _n(x, digits: int = 2) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.{digits}f}".rstrip("0").rstrip(".") if isinstance(x, float) else str(x)
+
+
+# -- one submission ------------------------------------------------------------------------------
+
+def result_paths(out_dir, name: str) -> tuple[Path, Path]:
+    out_dir = Path(out_dir)
+    return out_dir / f"{name}.json", out_dir / f"{name}.md"
+
+
+def write_result(result: dict, out_dir) -> tuple[Path, Path]:
+    """Write ``NAME.json`` (everything) and ``NAME.md`` (for people); return their paths."""
+    json_path, md_path = result_paths(out_dir, result["submission"]["name"])
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = json_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    md_path.write_text(render_markdown(result), encoding="utf-8")
+    tmp.replace(json_path)  # the JSON last and atomically: it is what a resumed batch trusts
+    return json_path, md_path
+
+
+def read_result(path) -> dict | None:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def render_markdown(result: dict) -> str:
+    sub = result["submission"]
+    lines = [f"# {sub['name']}: {result['rubric']['title']}", ""]
+    if result["total"] is not None:
+        lines.append(f"**Score: {_n(result['total'])} / {_n(result['max_points'])}** ({_n(result['percent'], 1)}%)  ")
+    else:
+        lines.append(f"**Score: not graded** (out of {_n(result['max_points'])})  ")
+    lines.append(f"Status: {result['status']}" + ("  \n**Needs human review.**" if result["needs_review"] else ""))
+    lines.append("")
+    for reason in result["review_reasons"]:
+        lines.append(f"- {reason}")
+    if result["review_reasons"]:
+        lines.append("")
+
+    if result["criteria"]:
+        lines += ["## Criteria", "", "| Criterion | Score | Points | Why |", "|---|---:|---:|---|"]
+        for c in result["criteria"]:
+            why = c["rationale"].replace("|", "\\|").replace("\n", " ")
+            lines.append(f"| {c['title']} (`{c['id']}`) | {_n(c['score'])} | {_n(c['points'])} | {why} |")
+        lines.append("")
+        adjusted = [c for c in result["criteria"] if c["adjustments"]]
+        if adjusted:
+            lines += ["### Score adjustments", ""]
+            for c in adjusted:
+                for a in c["adjustments"]:
+                    lines.append(f"- `{c['id']}`: model said {_n(c['model_score'])}; {a}")
+            lines.append("")
+
+    fb = result.get("feedback")
+    if fb:
+        lines += ["## Feedback", ""]
+        if fb.get("summary"):
+            lines += [fb["summary"], ""]
+        sections = (("strengths", "Strengths"), ("improvements", "To improve"), ("issues", "Issues in the code"))
+        for key, title in sections:
+            if fb.get(key):
+                lines += [f"**{title}**", ""] + [f"- {item}" for item in fb[key]] + [""]
+
+    layers = result["layers"]
+    lines += ["## Checks", "", "**Submission:** " + ("valid notebook" if layers["submission"]["ok"]
+                                                      else "; ".join(layers["submission"]["problems"])), ""]
+    evidence = layers.get("evidence")
+    if evidence:
+        lines += ["**Evidence found:**", ""] + [f"- {f}" for f in evidence["findings"]] + [""]
+        lines += ["| Criterion | Rule | Met | Detail |", "|---|---|---|---|"]
+        for cid, checks in evidence["checks"].items():
+            for k in checks:
+                lines.append(f"| `{cid}` | {k['rule']} | {'yes' if k['passed'] else '**no**'} | {k['detail']} |")
+        lines.append("")
+    analysis = layers.get("analysis")
+    if analysis and analysis["omitted"]:
+        lines += ["**The models saw a shortened notebook:** " + "; ".join(analysis["omitted"]), ""]
+
+    inf = result["inference"]
+    if inf["requests"]:
+        lines += ["## Inference", "",
+                  "| Request | Model | Try | Method | Prefill s | Decode s | Tokens in/out | Decode tok/s |",
+                  "|---|---|---:|---|---:|---:|---:|---:|"]
+        for r in inf["requests"]:
+            if r["error"]:
+                lines.append(f"| {r['role']} | {r['model']} | {r['attempt']} | failed: {r['error']} | | | | |")
+                continue
+            lines.append(f"| {r['role']} | {r['model']} | {r['attempt']} | {r['method']} | {_n(r['prefill_time'], 3)} "
+                         f"| {_n(r['decode_time'], 3)} | {r['prompt_tokens']}/{r['completion_tokens']} "
+                         f"| {_n(r['decode_speed'], 1)} |")
+        lines += ["", f"Wall time {_n(inf['wall_time'], 3)} s for {_n(inf['sequential_time'], 3)} s of requests: "
+                      f"parallel speedup {_n(inf['speedup'])}x.", ""]
+    return "\n".join(lines)
+
+
+# -- a batch -------------------------------------------------------------------------------------
+
+def criterion_ids(results: list[dict]) -> list[str]:
+    ids: list[str] = []
+    for r in results:
+        for c in r["criteria"]:
+            if c["id"] not in ids:
+                ids.append(c["id"])
+    return ids
+
+
+def gradebook_rows(results: list[dict]) -> list[dict]:
+    ids = criterion_ids(results)
+    rows = []
+    for r in results:
+        scores = {c["id"]: c["score"] for c in r["criteria"]}
+        row = {"submission": r["submission"]["name"], "status": r["status"], "total": r["total"],
+               "max_points": r["max_points"], "percent": r["percent"], "needs_review": r["needs_review"]}
+        row.update({cid: scores.get(cid) for cid in ids})
+        row.update({"review_reasons": " | ".join(r["review_reasons"]),
+                    "prefill_time": r["inference"]["prefill_time"], "decode_time": r["inference"]["decode_time"],
+                    "wall_time": r["inference"]["wall_time"], "speedup": r["inference"]["speedup"],
+                    "file": r["submission"]["file"]})
+        rows.append(row)
+    return rows
+
+
+def gradebook_csv(results: list[dict]) -> str:
+    rows = gradebook_rows(results)
+    buffer = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: "" if v is None else v for k, v in row.items()})
+    return buffer.getvalue()
+
+
+def summarize(results: list[dict], skipped: int = 0) -> dict:
+    """Mean and spread of the totals, who needs review, and the cluster's time spent."""
+    totals = [r["total"] for r in results if r["total"] is not None]
+    percents = [r["percent"] for r in results if r["percent"] is not None]
+    rounds_wall = sum(r["inference"]["wall_time"] for r in results)
+    rounds_seq = sum(r["inference"]["sequential_time"] for r in results)
+    return {
+        "submissions": len(results),
+        "graded": len(totals),
+        "resumed": skipped,
+        "by_status": {s: sum(1 for r in results if r["status"] == s)
+                      for s in sorted({r["status"] for r in results})},
+        "max_points": results[0]["max_points"] if results else None,
+        "mean": round(statistics.fmean(totals), 2) if totals else None,
+        "median": round(statistics.median(totals), 2) if totals else None,
+        "stdev": round(statistics.stdev(totals), 2) if len(totals) > 1 else (0.0 if totals else None),
+        "min": min(totals) if totals else None,
+        "max": max(totals) if totals else None,
+        "mean_percent": round(statistics.fmean(percents), 1) if percents else None,
+        "flagged": [{"submission": r["submission"]["name"], "status": r["status"], "reasons": r["review_reasons"]}
+                    for r in results if r["needs_review"]],
+        "inference": {
+            "requests": sum(len(r["inference"]["requests"]) for r in results),
+            "prefill_time": round(sum(r["inference"]["prefill_time"] for r in results), 3),
+            "decode_time": round(sum(r["inference"]["decode_time"] for r in results), 3),
+            "wall_time": round(rounds_wall, 3),
+            "sequential_time": round(rounds_seq, 3),
+            "speedup": round(rounds_seq / rounds_wall, 3) if rounds_wall > 0 and rounds_seq > 0 else None,
+            "fallbacks": sum(r["inference"]["fallbacks"] for r in results),
+        },
+    }
+
+
+def render_summary_markdown(summary: dict, results: list[dict]) -> str:
+    inf = summary["inference"]
+    lines = ["# Grading summary", "",
+             f"{summary['submissions']} submissions, {summary['graded']} with a score"
+             + (f" ({summary['resumed']} from an earlier run)" if summary["resumed"] else "") + ".", "",
+             f"- mean {_n(summary['mean'])} / {_n(summary['max_points'])} ({_n(summary['mean_percent'], 1)}%), "
+             f"median {_n(summary['median'])}, standard deviation {_n(summary['stdev'])}, "
+             f"range {_n(summary['min'])} to {_n(summary['max'])}",
+             "- by status: " + ", ".join(f"{k} {v}" for k, v in summary["by_status"].items()),
+             f"- inference: {inf['requests']} requests, prefill {_n(inf['prefill_time'], 2)} s, decode "
+             f"{_n(inf['decode_time'], 2)} s; wall {_n(inf['wall_time'], 2)} s against "
+             f"{_n(inf['sequential_time'], 2)} s sequential: parallel speedup {_n(inf['speedup'])}x"
+             + (f"; {inf['fallbacks']} decode-only fallbacks" if inf["fallbacks"] else ""), ""]
+    if summary["flagged"]:
+        lines += ["## Needs human review", ""]
+        for f in summary["flagged"]:
+            lines.append(f"- **{f['submission']}** ({f['status']}): " + "; ".join(f["reasons"]))
+        lines.append("")
+    lines += ["## Gradebook", "", "| Submission | Status | Score | % |", "|---|---|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['submission']['name']} | {r['status']} | {_n(r['total'])} | {_n(r['percent'], 1)} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_batch_reports(results: list[dict], out_dir, skipped: int = 0) -> dict:
+    """``gradebook.csv``, ``summary.json`` and ``summary.md`` in ``out_dir``; returns the summary."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = summarize(results, skipped)
+    (out_dir / "gradebook.csv").write_text(gradebook_csv(results), encoding="utf-8")
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    (out_dir / "summary.md").write_text(render_summary_markdown(summary, results), encoding="utf-8")
+    return summary

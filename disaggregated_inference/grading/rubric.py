@@ -1,0 +1,244 @@
+"""The rubric: what a submission is graded on, loaded from YAML or JSON and validated once.
+
+A rubric file looks like (``examples/rubric.yaml``)::
+
+    title: Sales analysis
+    assignment: Load sales.csv with pandas, ...      # shown to the models
+    missing_evidence_cap: 0.5                       # optional; see below
+    criteria:
+      - id: visualisation
+        title: Chart of revenue
+        description: A labelled chart of revenue by region.
+        points: 10
+        evidence:                                   # optional, all keys optional
+          imports: [matplotlib]                     # modules imported (prefix match)
+          functions: [groupby, plot]                # called or defined ("pd.read_csv" matches dotted)
+          constructs: [function_def]                # from CONSTRUCTS
+          chart: true                               # a chart output is in the notebook
+          runs_clean: true                          # no syntax errors, no error outputs
+          executed: true                            # every code cell was run
+          markdown_words: 40                        # at least this many words of explanation
+
+A criterion whose evidence rules are not all met can score at most
+``missing_evidence_cap`` of its points (per criterion or for the rubric;
+default 0.5). Every problem raises one ``RubricError`` naming the file and the key.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import RubricError
+
+# Syntactic constructs a rule may require; evidence.py finds them with ast.
+CONSTRUCTS = ("function_def", "class_def", "loop", "comprehension", "conditional", "lambda", "try", "with",
+              "fstring")
+DEFAULT_MISSING_EVIDENCE_CAP = 0.5
+_ID = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
+_TOP_KEYS = {"title", "assignment", "description", "criteria", "missing_evidence_cap"}
+_CRITERION_KEYS = {"id", "title", "description", "points", "evidence", "missing_evidence_cap"}
+_EVIDENCE_KEYS = {"imports", "functions", "constructs", "chart", "runs_clean", "executed", "markdown_words"}
+
+
+@dataclass(frozen=True)
+class EvidenceRules:
+    imports: tuple[str, ...] = ()
+    functions: tuple[str, ...] = ()
+    constructs: tuple[str, ...] = ()
+    chart: bool = False
+    runs_clean: bool = False
+    executed: bool = False
+    markdown_words: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return self == EvidenceRules()
+
+
+@dataclass(frozen=True)
+class Criterion:
+    id: str
+    title: str
+    description: str
+    points: float
+    evidence: EvidenceRules = field(default_factory=EvidenceRules)
+    missing_evidence_cap: float = DEFAULT_MISSING_EVIDENCE_CAP
+
+    @property
+    def integer_points(self) -> bool:
+        return float(self.points).is_integer()
+
+
+@dataclass(frozen=True)
+class Rubric:
+    title: str
+    assignment: str
+    criteria: tuple[Criterion, ...]
+    source: str = "<dict>"
+
+    @property
+    def max_points(self) -> float:
+        return float(sum(c.points for c in self.criteria))
+
+    @property
+    def ids(self) -> list[str]:
+        return [c.id for c in self.criteria]
+
+    def criterion(self, criterion_id: str) -> Criterion:
+        for c in self.criteria:
+            if c.id == criterion_id:
+                return c
+        raise KeyError(criterion_id)
+
+    def to_dict(self) -> dict:
+        return {"title": self.title, "assignment": self.assignment,
+                "criteria": [{**asdict(c), "evidence": {k: list(v) if isinstance(v, tuple) else v
+                                                        for k, v in asdict(c.evidence).items()}}
+                             for c in self.criteria]}
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of the rubric's content: a changed rubric means earlier grades are stale."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _fail(source: str, where: str, message: str):
+    raise RubricError(f"{source}: {where} {message}", field=where)
+
+
+def _check_unknown(obj: dict, allowed: set, where: str, source: str) -> None:
+    for key in obj:
+        if key not in allowed:
+            _fail(source, f"{where}.{key}" if where else str(key),
+                  f"is not a known key (expected one of: {', '.join(sorted(allowed))})")
+
+
+def _text(obj: dict, key: str, where: str, source: str, required: bool, default: str = "") -> str:
+    value = obj.get(key, None)
+    if value is None:
+        if required:
+            _fail(source, f"{where}.{key}" if where else key, "is required")
+        return default
+    if not isinstance(value, str) or (required and not value.strip()):
+        _fail(source, f"{where}.{key}" if where else key, f"must be a non-empty string, got {json.dumps(value)}")
+    return value.strip()
+
+
+def _number(value, where: str, source: str, low: float, high: float, low_open: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        bound = f"{'>' if low_open else '>='} {low:g} and <= {high:g}"
+        _fail(source, where, f"must be a number {bound}, got {json.dumps(value)}")
+    return float(value)
+
+
+def _names(value, where: str, source: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        _fail(source, where, f"must be a list of names, got {json.dumps(value)}")
+    return tuple(v.strip() for v in value)
+
+
+def _evidence(raw, where: str, source: str) -> EvidenceRules:
+    if raw is None:
+        return EvidenceRules()
+    if not isinstance(raw, dict):
+        _fail(source, where, f"must be a mapping, got {type(raw).__name__}")
+    _check_unknown(raw, _EVIDENCE_KEYS, where, source)
+    kwargs = {}
+    for key in ("imports", "functions", "constructs"):
+        if key in raw:
+            kwargs[key] = _names(raw[key], f"{where}.{key}", source)
+    for name in kwargs.get("constructs", ()):
+        if name not in CONSTRUCTS:
+            _fail(source, f"{where}.constructs", f"has unknown construct {name!r} (known: {', '.join(CONSTRUCTS)})")
+    for key in ("chart", "runs_clean", "executed"):
+        if key in raw:
+            if not isinstance(raw[key], bool):
+                _fail(source, f"{where}.{key}", f"must be true or false, got {json.dumps(raw[key])}")
+            kwargs[key] = raw[key]
+    if "markdown_words" in raw:
+        value = raw["markdown_words"]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            _fail(source, f"{where}.markdown_words", f"must be a whole number >= 0, got {json.dumps(value)}")
+        kwargs["markdown_words"] = value
+    return EvidenceRules(**kwargs)
+
+
+def rubric_from_dict(data, source: str = "<dict>") -> Rubric:
+    """Validate a parsed rubric; raise ``RubricError`` naming ``source`` and the bad key."""
+    if not isinstance(data, dict):
+        raise RubricError(f"{source}: a rubric must be a mapping at the top level, got {type(data).__name__}")
+    _check_unknown(data, _TOP_KEYS, "", source)
+    title = _text(data, "title", "", source, required=True)
+    assignment = _text(data, "assignment", "", source, required=False) or _text(
+        data, "description", "", source, required=False)
+    default_cap = DEFAULT_MISSING_EVIDENCE_CAP
+    if "missing_evidence_cap" in data:
+        default_cap = _number(data["missing_evidence_cap"], "missing_evidence_cap", source, 0, 1)
+    raw_criteria = data.get("criteria")
+    if not isinstance(raw_criteria, list) or not raw_criteria:
+        _fail(source, "criteria", "must be a non-empty list of criteria")
+    criteria, seen = [], set()
+    for i, raw in enumerate(raw_criteria):
+        where = f"criteria[{i}]"
+        if not isinstance(raw, dict):
+            _fail(source, where, f"must be a mapping, got {type(raw).__name__}")
+        cid = raw.get("id")
+        if not isinstance(cid, str) or not _ID.match(cid):
+            _fail(source, f"{where}.id", f"must be a short identifier (letters, digits, _ or -, starting with a "
+                                         f"letter), got {json.dumps(cid)}")
+        where = f"criteria[{i}] ({cid})"
+        if cid in seen:
+            _fail(source, f"{where}.id", "is used twice")
+        seen.add(cid)
+        _check_unknown(raw, _CRITERION_KEYS, where, source)
+        if "points" not in raw:
+            _fail(source, f"{where}.points", "is required")
+        points = _number(raw["points"], f"{where}.points", source, 0, 1000, low_open=True)
+        cap = default_cap
+        if "missing_evidence_cap" in raw:
+            cap = _number(raw["missing_evidence_cap"], f"{where}.missing_evidence_cap", source, 0, 1)
+        criteria.append(Criterion(
+            id=cid,
+            title=_text(raw, "title", where, source, required=True),
+            description=_text(raw, "description", where, source, required=False),
+            points=points,
+            evidence=_evidence(raw.get("evidence"), f"{where}.evidence", source),
+            missing_evidence_cap=cap,
+        ))
+    return Rubric(title=title, assignment=assignment, criteria=tuple(criteria), source=source)
+
+
+def load_rubric(path) -> Rubric:
+    """Load a rubric from a ``.yaml``/``.yml`` or ``.json`` file and validate it."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RubricError(f"cannot read rubric file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise RubricError(f"{path}: not a UTF-8 text file") from None
+    if path.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise RubricError(f"{path}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    else:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
+            raise RubricError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
+    return rubric_from_dict(data, str(path))

@@ -1,0 +1,3 @@
+from .launcher import main
+
+raise SystemExit(main())
