@@ -21,7 +21,7 @@ class KVRef:
     url: str
     handle: str
     bytes: int | None = None
-    crc32: int | None = None
+    crc32c: int | None = None
 
 
 @dataclass(frozen=True)
@@ -168,12 +168,12 @@ def parse_kv_ref(value) -> KVRef:
     if not value["url"].startswith(("http://", "https://")):
         raise BadRequest("'kv.url' must be an http(s) URL", field="kv.url")
     size = value.get("bytes")
-    crc = value.get("crc32")
+    crc = value.get("crc32c")
     if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
         raise BadRequest("'kv.bytes' must be a non-negative integer", field="kv.bytes")
     if crc is not None and (not isinstance(crc, int) or isinstance(crc, bool)):
-        raise BadRequest("'kv.crc32' must be an integer", field="kv.crc32")
-    return KVRef(url=value["url"], handle=value["handle"], bytes=size, crc32=crc)
+        raise BadRequest("'kv.crc32c' must be an integer", field="kv.crc32c")
+    return KVRef(url=value["url"], handle=value["handle"], bytes=size, crc32c=crc)
 
 
 def parse_decode(body) -> DecodeRequest:

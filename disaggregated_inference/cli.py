@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import replace
 
 from . import __version__
 from . import config as cluster_config
@@ -168,9 +169,10 @@ def cmd_serve(args) -> int:
             raise ConfigError("give --server NAME (with --config) or --role and --model", field="server")
         model = ModelSettings(backend=args.backend, model=args.model, name=args.name or args.model,
                               **({"n_gpu_layers": args.n_gpu_layers} if args.n_gpu_layers is not None else {}))
-        settings = ServerSettings(role=args.role, model=model, name=args.name or f"{args.role}-{args.model}",
-                                  api_token=os.environ.get("DISAGG_API_TOKEN"))
+        settings = ServerSettings(role=args.role, model=model, name=args.name or f"{args.role}-{args.model}")
         bind = args.bind or f"0.0.0.0:{8000 if args.role == 'prefill' else 8001}"
+    if os.environ.get("DISAGG_API_TOKEN"):  # e.g. from a systemd EnvironmentFile; beats the config file
+        settings = replace(settings, api_token=os.environ["DISAGG_API_TOKEN"])
     env = dict(os.environ, DISAGG_SERVER_SETTINGS=settings.to_json(), DISAGG_BIND=bind,
                DISAGG_PROC_NAME=f"disagg-{settings.name}")
     cmd = [sys.executable, "-m", "gunicorn", "-c", "python:disaggregated_inference.gunicorn_conf"]

@@ -76,7 +76,7 @@ class _Attempt(Exception):
 
 class DisaggregatedClient:
     def __init__(self, config=None, *, health_check: bool = True, api_token: str | None = None):
-        self.config = cluster_config.coerce(config if config is not None else cluster_config.DEFAULT_CONFIG_FILE)
+        self.config = cluster_config.coerce(config)
         opts = self.config.client
         self.prefill_timeout = float(opts["prefill_timeout"])
         self.decode_timeout = float(opts["decode_timeout"])
@@ -169,6 +169,7 @@ class DisaggregatedClient:
 
     def _check_one(self, server: ServerState) -> None:
         started = time.perf_counter()
+        refused = False
         try:
             resp = self.session.get(server.entry.url + "/health", timeout=(self.connect_timeout, self.health_timeout))
             data = resp.json()
@@ -176,13 +177,14 @@ class DisaggregatedClient:
             error = None if ok else f"health: {data.get('status')} {data.get('error') or data.get('progress') or ''}".strip()
         except (requests.RequestException, ValueError) as exc:
             ok, data, error = False, {}, f"health check failed: {type(exc).__name__}"
+            refused = isinstance(exc, requests.ConnectionError) and not isinstance(exc, requests.Timeout)
         server.last_checked = time.time()
         server.latency_s = round(time.perf_counter() - started, 4)
         server.health = data
         if ok:
             self._mark_ok(server)
-        else:
-            self._mark_failure(server, error)
+        else:  # a refused connection is conclusive; a slow or loading server gets another chance
+            self._mark_failure(server, error, hard=refused)
 
     def _monitor_loop(self, interval: float) -> None:
         while not self._stop.wait(interval):

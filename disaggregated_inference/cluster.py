@@ -110,7 +110,7 @@ class LocalCluster:
 
     def __init__(self, config=None, names=None, free_ports: bool = False, log_dir=None, env=None,
                  server_overrides: dict | None = None):
-        cfg = cluster_config.coerce(config if config is not None else cluster_config.DEFAULT_CONFIG_FILE)
+        cfg = cluster_config.coerce(config)
         self.source = cfg
         self.env = env or {}
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="disagg-logs-"))

@@ -215,7 +215,7 @@ def load(path: str | os.PathLike | None = None) -> ClusterConfig:
 
 
 def coerce(config) -> ClusterConfig:
-    """Accept a ClusterConfig, a dict or a path."""
+    """Accept a ClusterConfig, a dict, a path, or None (``$DISAGG_CONFIG`` or ./config_current.json)."""
     if isinstance(config, ClusterConfig):
         return config
     if isinstance(config, dict):

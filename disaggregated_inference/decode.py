@@ -11,12 +11,12 @@ import logging
 import time
 from functools import partial
 
-import requests
 from flask import Flask
 
 from . import fingerprint, web
 from .api import parse_decode, parse_generate
 from .backends.base import Received
+from .buffers import BufferPool
 from .bundle import KIND_TOKEN_IDS
 from .errors import DisaggError
 from .handoff import fetch
@@ -25,8 +25,13 @@ from .settings import resolve
 log = logging.getLogger(__name__)
 
 
-def _decode_job(received, sampling, backend, cancelled):
-    return backend.decode(received, sampling, cancelled)
+def _decode_job(received, sampling, pool, backend, cancelled):
+    """Runs on the model thread; gives the receive buffer back once the backend is done with it."""
+    buffer = received.payload
+    try:
+        yield from backend.decode(received, sampling, cancelled)
+    finally:
+        pool.give(buffer)
 
 
 def run_events(events, received_at: float, extra: dict, stream: bool, observe=lambda metrics: None):
@@ -78,7 +83,7 @@ def create_app(config=None, backend=None) -> Flask:
     settings = resolve(config, role="decode")
     app = web.create_base_app(settings, backend)
     st = app.extensions["disagg"]
-    session = requests.Session()  # pooled keep-alive connections to prefill servers
+    pool = BufferPool()  # receive buffers, reused for a few seconds (fresh memory faults on every page)
 
     @app.post("/decode")
     def decode():
@@ -88,9 +93,9 @@ def create_app(config=None, backend=None) -> Flask:
         st.owner.require_ready()  # fail before pulling a bundle we could not use
         extra: dict = {}
         if req.kv is not None:
-            received, extra = fetch(req.kv, session, timeout=settings.kv_fetch_timeout,
+            received, extra = fetch(req.kv, timeout=settings.kv_fetch_timeout,
                                     connect_timeout=settings.connect_timeout, api_token=settings.api_token,
-                                    max_bytes=settings.max_kv_bytes)
+                                    max_bytes=settings.max_kv_bytes, pool=pool)
             st.metrics.kv_bytes.inc(extra["kv_bytes"])
             st.metrics.kv_transfer_seconds.observe(extra["kv_transfer_time"])
             if extra["kv_transfer_time"] > settings.slow_transfer_seconds:
@@ -106,7 +111,7 @@ def create_app(config=None, backend=None) -> Flask:
         extra["handoff"] = received.kind
         extra["kv_fetch_to_queue_time"] = round(time.perf_counter() - received_at, 6)
         # the job holds the only reference to the bundle; the backend drops its payload once imported
-        events = st.owner.stream(partial(_decode_job, received, req.sampling))
+        events = st.owner.stream(partial(_decode_job, received, req.sampling, pool))
         del received
         return run_events(events, received_at, extra, req.stream, st.metrics.observe_decode)
 

@@ -1,55 +1,71 @@
 """The decode side of the handoff: pull a KV bundle from a prefill server and check it.
 
 The bundle travels prefill server -> decode server directly, as a binary HTTP
-response read frame by frame into one preallocated buffer. Every failure maps
+response read frame by frame into one buffer. The pull uses ``http.client``
+rather than ``requests``: its ``readinto`` receives straight into our buffer
+(urllib3's reads into a temporary bytes object and copies). Every failure maps
 to one error of ``errors.py`` that names the problem.
 """
 from __future__ import annotations
 
+import http.client
+import json
 import logging
+import socket
 import time
-
-import requests
+from urllib.parse import urlsplit
 
 from . import bundle
 from .api import KVRef
 from .backends.base import Received
+from .buffers import BufferPool
 from .errors import BundleError, LeaseExpired, NotFound, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger(__name__)
 
 
-def fetch(ref: KVRef, session: requests.Session, *, timeout: float, connect_timeout: float = 3.0,
-          api_token: str | None = None, max_bytes: int | None = None) -> tuple[Received, dict]:
+def _connect(ref: KVRef, connect_timeout: float, timeout: float) -> http.client.HTTPConnection:
+    url = urlsplit(ref.url)
+    cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+    conn = cls(url.hostname, url.port, timeout=connect_timeout)
+    conn.connect()
+    conn.sock.settimeout(timeout)
+    return conn
+
+
+def fetch(ref: KVRef, *, timeout: float, connect_timeout: float = 3.0, api_token: str | None = None,
+          max_bytes: int | None = None, pool: BufferPool | None = None) -> tuple[Received, dict]:
     headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
+    url = urlsplit(ref.url)
+    path = url.path + (f"?{url.query}" if url.query else "")
+    allocate = pool.take if pool is not None else bytearray
     started = time.perf_counter()
+    conn = None
     try:
-        resp = session.get(ref.url, stream=True, timeout=(connect_timeout, timeout), headers=headers)
-    except requests.Timeout:
-        raise UpstreamTimeout(f"timed out connecting to the prefill server for {ref.url}", field="kv.url") from None
-    except requests.RequestException as exc:
-        raise UpstreamError(f"cannot reach the prefill server at {ref.url}: {exc}", field="kv.url") from None
-    with resp:
-        if resp.status_code != 200:
-            _raise_for_status(resp, ref)
-        try:
-            header, tokens, payload = bundle.read_bundle(resp.raw, max_payload_bytes=max_bytes)
-        except bundle.BundleFormatError as exc:
-            raise BundleError(f"KV bundle from {ref.url} is unusable: {exc}", field="kv") from None
-        except bundle.BundleRemoteError as exc:
-            raise UpstreamError(str(exc), field="kv") from None
-        except requests.RequestException as exc:  # urllib3 errors surface through requests here
-            raise UpstreamError(f"KV transfer from {ref.url} broke off: {exc}", field="kv") from None
-        except (OSError, ValueError) as exc:
-            if "timed out" in str(exc):
-                raise UpstreamTimeout(f"KV transfer from {ref.url} timed out", field="kv") from None
-            raise UpstreamError(f"KV transfer from {ref.url} broke off: {exc}", field="kv") from None
+        conn = _connect(ref, connect_timeout, timeout)
+        conn.request("GET", path, headers=headers)
+        resp = conn.getresponse()
+        if resp.status != 200:
+            _raise_for_status(resp.status, resp.read(65536), ref)
+        header, tokens, payload = bundle.read_bundle(resp, max_payload_bytes=max_bytes, allocate=allocate)
+    except bundle.BundleFormatError as exc:
+        raise BundleError(f"KV bundle from {ref.url} is unusable: {exc}", field="kv") from None
+    except bundle.BundleRemoteError as exc:
+        raise UpstreamError(str(exc), field="kv") from None
+    except (socket.timeout, TimeoutError):
+        raise UpstreamTimeout(f"KV transfer from {ref.url} timed out", field="kv") from None
+    except (OSError, http.client.HTTPException) as exc:
+        raise UpstreamError(f"cannot fetch the KV from the prefill server at {ref.url}: "
+                            f"{type(exc).__name__}: {exc}", field="kv.url") from None
+    finally:
+        if conn is not None:
+            conn.close()
     elapsed = time.perf_counter() - started
     if ref.bytes is not None and ref.bytes != header.payload_bytes:
         raise BundleError(f"KV bundle has {header.payload_bytes} bytes but the prefill answer said {ref.bytes}",
                           field="kv.bytes")
-    if ref.crc32 is not None and ref.crc32 != header.payload_crc32:
-        raise BundleError("KV bundle checksum differs from the one the prefill answer gave", field="kv.crc32")
+    if ref.crc32c is not None and ref.crc32c != header.payload_crc32c:
+        raise BundleError("KV bundle checksum differs from the one the prefill answer gave", field="kv.crc32c")
     received = Received(header.kind, tokens, payload, header.fingerprint, header.meta)
     stats = {
         "kv_bytes": header.payload_bytes,
@@ -59,15 +75,14 @@ def fetch(ref: KVRef, session: requests.Session, *, timeout: float, connect_time
     return received, stats
 
 
-def _raise_for_status(resp: requests.Response, ref: KVRef) -> None:
+def _raise_for_status(status: int, raw: bytes, ref: KVRef) -> None:
     try:
-        message = resp.json().get("error", resp.text)
-    except ValueError:
-        message = resp.text[:200]
+        message = json.loads(raw).get("error", raw.decode("utf-8", "replace"))
+    except (ValueError, AttributeError):
+        message = raw[:200].decode("utf-8", "replace")
     where = f"prefill server {ref.url.split('/kv/')[0]}"
-    if resp.status_code == 404:
+    if status == 404:
         raise NotFound(f"{where}: {message}", field="kv.handle")
-    if resp.status_code == 410:
+    if status == 410:
         raise LeaseExpired(f"{where}: {message}", field="kv.handle")
-    raise UpstreamError(f"{where} refused the KV fetch ({resp.status_code}): {message}", field="kv",
-                        upstream_status=resp.status_code)
+    raise UpstreamError(f"{where} refused the KV fetch ({status}): {message}", field="kv", upstream_status=status)

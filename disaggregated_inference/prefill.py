@@ -30,11 +30,11 @@ def create_app(config=None, backend=None) -> Flask:
         started = time.perf_counter()
         result = st.owner.call(lambda backend: backend.prefill(req.prompt))
         t = time.perf_counter()
-        crc = bundle.payload_crc32(result.payload)
+        crc = bundle.payload_checksum(result.payload)
         checksum_time = time.perf_counter() - t
         header = bundle.BundleHeader(
             kind=result.kind, n_tokens=len(result.tokens), payload_bytes=len(memoryview(result.payload)),
-            payload_crc32=crc, fingerprint=result.fingerprint, meta=result.meta,
+            payload_crc32c=crc, fingerprint=result.fingerprint, meta=result.meta,
         )
         lease = st.leases.put(header, result.tokens, result.payload, req.lease_seconds)
         base = (settings.data_url or request.host_url).rstrip("/")
@@ -59,7 +59,7 @@ def create_app(config=None, backend=None) -> Flask:
                 "handle": lease.handle,
                 "kind": result.kind,
                 "bytes": header.payload_bytes,
-                "crc32": crc,
+                "crc32c": crc,
                 "expires_at": lease.expires_at,
                 "lease_seconds": round(lease.expires_at - time.time(), 3),
             },
@@ -73,7 +73,7 @@ def create_app(config=None, backend=None) -> Flask:
             finished = False
             try:
                 for piece in bundle.iter_encoded(lease.header, lease.tokens, lease.payload):
-                    yield piece if isinstance(piece, bytes) else bytes(piece)  # WSGI wants bytes; 1 MiB at a time
+                    yield piece if isinstance(piece, bytes) else bytes(piece)  # WSGI wants bytes; 4 MiB at a time
                 finished = True
             finally:
                 if finished:  # fetched whole: free it now; a broken fetch keeps the lease until expiry
@@ -82,7 +82,7 @@ def create_app(config=None, backend=None) -> Flask:
         headers = {
             "Content-Length": str(bundle.encoded_length(lease.header)),
             "X-KV-Bytes": str(lease.header.payload_bytes),
-            "X-KV-CRC32": str(lease.header.payload_crc32),
+            "X-KV-CRC32C": str(lease.header.payload_crc32c),
             "X-KV-Kind": lease.header.kind,
         }
         return Response(body(), mimetype=bundle.CONTENT_TYPE, headers=headers, direct_passthrough=True)

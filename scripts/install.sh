@@ -16,7 +16,9 @@ LLAMA_VERSION=0.3.36
 PORTABLE_CPU="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
 if [ "$(uname -s)" = "Darwin" ]; then PORTABLE_CPU="-DGGML_METAL=on"; fi
 CMAKE_FLAGS="${LLAMA_CMAKE_ARGS:-$PORTABLE_CPU}"
-flags_id=$(printf '%s %s' "$LLAMA_VERSION" "$CMAKE_FLAGS" | sha256sum 2>/dev/null | cut -c1-12 || printf '%s' "$CMAKE_FLAGS" | shasum | cut -c1-12)
+# sha256sum on Linux, shasum on a stock Mac
+digest() { if command -v sha256sum >/dev/null; then sha256sum; else shasum -a 256; fi | cut -c1-"$1"; }
+flags_id=$(printf '%s %s' "$LLAMA_VERSION" "$CMAKE_FLAGS" | digest 12)
 WHEELS="${DISAGG_WHEEL_CACHE:-$HOME/.cache/disaggregated-inference/wheels}/$flags_id"
 
 say() { printf '[install] %s\n' "$*" >&2; }
@@ -29,7 +31,7 @@ fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 
 stamp=.venv/.disagg-install-stamp
-want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)-$flags_id
+want=$(cat pyproject.toml scripts/install.sh | digest 16)-$flags_id
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import llama_cpp, disaggregated_inference" 2>/dev/null; then
   say "environment up to date (.venv)"
   exit 0

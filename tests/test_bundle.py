@@ -11,7 +11,7 @@ from disaggregated_inference import bundle
 def make(payload: bytes = None, tokens=(1, 2, 3, 40000), kind=bundle.KIND_LLAMA_SEQ_STATE):
     payload = os.urandom(3 * 1024 * 1024 + 17) if payload is None else payload
     header = bundle.BundleHeader(kind=kind, n_tokens=len(tokens), payload_bytes=len(payload),
-                                 payload_crc32=bundle.payload_crc32(payload),
+                                 payload_crc32c=bundle.payload_checksum(payload),
                                  fingerprint={"model_sha256": "ab" * 32, "flash_attn": True},
                                  meta={"stop": ["<|im_end|>"]})
     return header, list(tokens), payload
@@ -94,9 +94,9 @@ def test_payload_limit_is_enforced_before_allocating():
 
 def test_header_rejects_unknown_kind_and_bad_token_counts():
     with pytest.raises(bundle.BundleFormatError, match="unknown bundle kind"):
-        bundle.BundleHeader.from_json(b'{"kind":"pickle","n_tokens":1,"payload_bytes":0,"payload_crc32":0}')
+        bundle.BundleHeader.from_json(b'{"kind":"pickle","n_tokens":1,"payload_bytes":0,"payload_crc32c":0}')
     with pytest.raises(bundle.BundleFormatError, match="not valid"):
         bundle.BundleHeader.from_json(b'{"kind":"token_ids","n_tokens":1,"surprise":1,'
-                                      b'"payload_bytes":0,"payload_crc32":0}')
+                                      b'"payload_bytes":0,"payload_crc32c":0}')
     with pytest.raises(ValueError, match="header says 2 tokens"):
         bundle.encode_preamble(make(payload=b"", tokens=(1, 2))[0], [1])

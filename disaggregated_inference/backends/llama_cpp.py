@@ -13,11 +13,13 @@ import codecs
 import ctypes
 import json
 import os
+import threading
 import time
 from importlib.metadata import version as package_version
 from typing import Callable, Iterator
 
 from .. import fingerprint as fp
+from ..buffers import HUGE_THRESHOLD, allocate
 from ..bundle import KIND_LLAMA_SEQ_STATE, KIND_TOKEN_IDS
 from ..errors import BadRequest, BundleError, ContextOverflow, FingerprintMismatch
 from ..models import resolve_gguf
@@ -58,6 +60,7 @@ class LlamaCppBackend(Backend):
         self._formatter = None
         self._template_source = None
         self._evaluated = 0  # prompt tokens evaluated by the current generation (counted, not derived)
+        self._state_bytes_per_token = 0.0  # of the last export: sizes the next export buffer in advance
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -167,14 +170,41 @@ class LlamaCppBackend(Backend):
             self.llm.eval(tokens[:-1])
         return time.perf_counter() - started
 
-    def export_state(self) -> memoryview:
+    def _prepare_buffer(self, n_tokens: int) -> Callable[[], object | None]:
+        """Allocate and touch the export buffer on another thread while the prompt is evaluated.
+
+        Fresh memory costs a page fault per page on first touch, which took longer
+        than the export itself; done during the (much longer) evaluation it costs
+        the export nothing. Sized from the last export's bytes per token; returns a
+        function that waits for the buffer (or None when there is no estimate).
+        """
+        estimate = int(self._state_bytes_per_token * n_tokens * 1.05) + (1 << 20)
+        if not self._state_bytes_per_token or estimate < HUGE_THRESHOLD:
+            return lambda: None
+        ready: list = []
+
+        def touch():
+            buf = allocate(estimate)
+            ctypes.memset((ctypes.c_uint8 * estimate).from_buffer(buf), 0, estimate)  # releases the GIL
+            ready.append(buf)
+
+        worker = threading.Thread(target=touch, name="kv-buffer", daemon=True)
+        worker.start()
+
+        def wait():
+            worker.join()
+            return ready[0] if ready else None
+        return wait
+
+    def export_state(self, prepared=None) -> memoryview:
         """The current sequence's KV as a buffer (the one extra copy on this side)."""
         import llama_cpp
 
         ctx = self.llm._ctx.ctx
         size = llama_cpp.llama_state_seq_get_size(ctx, SEQ)
-        buf = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data(ctx, buf, size, SEQ)
+        # a prepared buffer serves if it is large enough and wastes at most a quarter
+        buf = prepared if prepared is not None and size <= len(prepared) <= 1.25 * size + (1 << 20) else allocate(size)
+        written = llama_cpp.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, SEQ)
         if written == 0 and size:
             raise RuntimeError("llama_state_seq_get_data wrote nothing")
         return memoryview(buf)[:written]
@@ -189,8 +219,10 @@ class LlamaCppBackend(Backend):
         ctx = self.llm._ctx.ctx
         payload = received.payload
         n = len(payload)
-        src = (ctypes.c_uint8 * n).from_buffer(payload) if isinstance(payload, bytearray) else \
-            (ctypes.c_uint8 * n).from_buffer_copy(payload)
+        try:
+            src = (ctypes.c_uint8 * n).from_buffer(payload)  # writable buffers: no copy
+        except TypeError:
+            src = (ctypes.c_uint8 * n).from_buffer_copy(payload)
         ok = llama_cpp.llama_state_seq_set_data(ctx, src, n, SEQ)
         del src
         received.payload = None  # free the received copy as soon as llama.cpp holds the state
@@ -212,10 +244,14 @@ class LlamaCppBackend(Backend):
         tokens, stops = self.tokenize(prompt)
         tokenize_time = time.perf_counter() - t0
         self._check_fits(len(tokens))
+        prepared = self._prepare_buffer(len(tokens) - 1)
         prefill_time = self._evaluate_all_but_last(tokens)
+        buffer = prepared()
         t1 = time.perf_counter()
-        payload = self.export_state()
+        payload = self.export_state(buffer)
         export_time = time.perf_counter() - t1
+        del buffer
+        self._state_bytes_per_token = len(payload) / max(1, len(tokens) - 1)
         evaluated = len(tokens) - 1
         return Prefilled(
             kind=KIND_LLAMA_SEQ_STATE, tokens=tokens, payload=payload, fingerprint=self.fingerprint(),
