@@ -6,7 +6,6 @@ Resource figures (memory, CPU, GPU) are read when scraped.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the route)
 
 from . import resources
 

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from .errors import BackendUnavailable, DisaggError, Overloaded
+from .errors import BackendUnavailable, Overloaded
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,3 @@ class ModelOwner:
             self._jobs.put_nowait(None)
         except queue.Full:
             pass
-
-
-__all__ = ["ModelOwner", "DisaggError"]

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 
 import pytest
 
 from disaggregated_inference.client import DisaggregatedClient, FallbackWarning
 from disaggregated_inference.errors import NoServerAvailable
 
-from .conftest import THREADS, cluster_config_dict
+from .conftest import cluster_config_dict
 
 pytestmark = pytest.mark.slow
 
