@@ -39,7 +39,7 @@ def _start_cluster(args, free_ports: bool):
 
     cfg = cluster_config.load(args.config)
     cluster = LocalCluster(cfg, names=args.only or None, free_ports=free_ports, log_dir=args.log_dir)
-    _say(f"starting {len(cluster._entries)} servers from {cfg.source} (logs in {cluster.log_dir})")
+    _say(f"starting {len(cluster.entries)} servers from {cfg.source} (logs in {cluster.log_dir})")
     cluster.start()
     try:
         for proc in cluster.processes:

@@ -108,8 +108,7 @@ class LocalCluster:
     (a dict, like the file) says which.
     """
 
-    def __init__(self, config=None, names=None, free_ports: bool = False, log_dir=None, env=None,
-                 server_overrides: dict | None = None):
+    def __init__(self, config=None, names=None, free_ports: bool = False, log_dir=None, env=None):
         cfg = cluster_config.coerce(config)
         self.source = cfg
         self.env = env or {}
@@ -124,16 +123,14 @@ class LocalCluster:
                 raise ConfigError(f"{cfg.source}: server {e.name} is on {e.host}; the local cluster only "
                                   "starts servers on this machine (use scripts/start_*.sh for remote ones)")
         self.processes: list[ServerProcess] = []
-        self._entries, self._free_ports, self._overrides = entries, free_ports, server_overrides or {}
+        self.entries, self._free_ports = entries, free_ports
 
     def start(self) -> "LocalCluster":
         try:
-            for entry in self._entries:
+            for entry in self.entries:
                 sock = _bind(entry.host, 0 if self._free_ports else entry.port)
                 entry = replace(entry, port=sock.getsockname()[1])
                 settings = from_cluster(self.source, entry.name)
-                if self._overrides:
-                    settings = replace(settings, **self._overrides)
                 proc = ServerProcess(entry, settings, sock, self.log_dir / f"{entry.name}.log")
                 proc.start(self.env)
                 self.processes.append(proc)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import logging
 import socket
 import time
 from urllib.parse import urlsplit
@@ -21,11 +20,8 @@ from .backends.base import Received
 from .buffers import BufferPool
 from .errors import BundleError, LeaseExpired, NotFound, UpstreamError, UpstreamTimeout
 
-log = logging.getLogger(__name__)
 
-
-def _connect(ref: KVRef, connect_timeout: float, timeout: float) -> http.client.HTTPConnection:
-    url = urlsplit(ref.url)
+def _connect(url, connect_timeout: float, timeout: float) -> http.client.HTTPConnection:
     cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
     conn = cls(url.hostname, url.port, timeout=connect_timeout)
     conn.connect()
@@ -42,7 +38,7 @@ def fetch(ref: KVRef, *, timeout: float, connect_timeout: float = 3.0, api_token
     started = time.perf_counter()
     conn = None
     try:
-        conn = _connect(ref, connect_timeout, timeout)
+        conn = _connect(url, connect_timeout, timeout)
         conn.request("GET", path, headers=headers)
         resp = conn.getresponse()
         if resp.status != 200:
