@@ -6,15 +6,25 @@ machine took longer than copying the bytes. Buffers from 8 MiB up are therefore
 anonymous mappings advised to use transparent huge pages (one fault per 2 MiB)
 where the kernel offers them, and are unmapped as soon as their last reference
 goes, so a freed lease gives its memory straight back to the system.
+
+A buffer that is going to be sent (a prefill server's exported KV) is better
+placed inside an anonymous in-memory file (Linux ``memfd``): the server then
+writes the bundle's framing around it in the same file and sends every fetch
+with ``sendfile(2)`` straight from those pages, without Python ever copying
+the payload (``sendable`` and ``span_of``).
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
+import os
 import time
 import threading
 import weakref
+from dataclasses import dataclass
 
 HUGE_THRESHOLD = 8 << 20
+PAGE = mmap.PAGESIZE
 
 
 class _Usage:
@@ -44,28 +54,97 @@ def allocate(n: int):
     buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     usage.add(n)
     weakref.finalize(buf, usage.add, -n)
+    _advise_huge(buf)
+    return buf
+
+
+def _advise_huge(buf: mmap.mmap) -> None:
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None:
         try:
             buf.madvise(advice)
         except OSError:  # huge pages disabled: plain pages still work
             pass
-    return buf
+
+
+@dataclass(frozen=True)
+class FileSpan:
+    """Where a buffer lies inside an in-memory file: ``fd``, first byte at ``offset``, ``length`` bytes.
+
+    The bytes before ``offset`` (at least ``headroom`` of them) and after the
+    buffer's end (``tailroom``) belong to the file too, free for framing.
+    """
+    fd: int
+    offset: int
+    length: int
+    tailroom: int
+
+
+_FILES: "weakref.WeakKeyDictionary[mmap.mmap, tuple[int, int]]" = weakref.WeakKeyDictionary()  # map -> (fd, size)
+
+
+def sendable(n: int, tailroom: int = PAGE):
+    """A zeroed, writable buffer of ``n`` bytes, inside an in-memory file where the platform has them.
+
+    The file reserves room before the buffer (64 KiB plus 1/128 of ``n``: a
+    bundle's header and token ids, 4 bytes a token, fit for any model whose KV
+    takes at least 512 bytes a token) and ``tailroom`` bytes after it. Small
+    sizes, and platforms without ``memfd_create``, get ``allocate(n)``.
+    """
+    if n < HUGE_THRESHOLD or not hasattr(os, "memfd_create"):
+        return allocate(n)
+    headroom = -(-((64 << 10) + n // 128) // PAGE) * PAGE
+    size = headroom + n + tailroom
+    fd = os.memfd_create("disagg-kv", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError:
+        os.close(fd)
+        return allocate(n)
+    usage.add(size)
+    weakref.finalize(buf, _close_file, fd, size)  # the file lives as long as its mapping
+    _FILES[buf] = (fd, size)
+    _advise_huge(buf)
+    return memoryview(buf)[headroom:headroom + n]
+
+
+def _close_file(fd: int, size: int) -> None:
+    os.close(fd)
+    usage.add(-size)
+
+
+def span_of(buf) -> FileSpan | None:
+    """Where ``buf`` (a view of a ``sendable`` buffer, or any part of it) lies in its file; None if in none."""
+    view = memoryview(buf)
+    known = _FILES.get(view.obj) if isinstance(view.obj, mmap.mmap) else None
+    if known is None or view.readonly or not view.contiguous or not view.nbytes:
+        return None
+    fd, size = known
+    offset = _address(view) - _address(memoryview(view.obj))
+    return FileSpan(fd, offset, view.nbytes, size - offset - view.nbytes)
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 class BufferPool:
-    """Freed large buffers kept for the next transfer of about the same size.
+    """Freed large buffers kept, warm, for the next transfer of about the same size.
 
-    A fresh mapping costs a page fault per page on first touch; reusing one does
-    not. At most ``keep`` buffers are kept, each for at most ``idle_seconds``
-    after it was given back; then it is unmapped. A buffer of ``size`` bytes
-    serves a request for ``n`` bytes when ``n <= size <= 2 * n``.
+    A fresh mapping costs a page fault (and the kernel zeroing the page) per page
+    on first touch, which on a small machine took as long as receiving the bytes;
+    reusing one costs neither. At most ``keep`` buffers are kept, each for at most
+    ``idle_seconds`` after it was given back; then it is unmapped (one timer
+    thread at a time does that). A buffer of ``size`` bytes serves a request for
+    ``n`` bytes when ``n <= size <= 2 * n``.
     """
 
     def __init__(self, keep: int = 2, idle_seconds: float = 10.0, clock=time.monotonic):
         self.keep, self.idle_seconds, self._clock = keep, idle_seconds, clock
         self._lock = threading.Lock()
-        self._idle: list = []  # (buffer, given_back_at)
+        self._idle: list = []  # (buffer, given_back_at), oldest first
+        self._timer: threading.Timer | None = None
         self.reused = self.fresh = 0
 
     def take(self, n: int):
@@ -92,17 +171,31 @@ class BufferPool:
             self._idle.append((buf, self._clock()))
             while len(self._idle) > self.keep:
                 self._idle.pop(0)
-        timer = threading.Timer(self.idle_seconds + 0.05, self.sweep)
-        timer.daemon = True
-        timer.start()
+            self._arm_locked()
 
     def sweep(self) -> None:
         with self._lock:
+            self._timer = None
             self._sweep_locked()
+            self._arm_locked()
 
     def idle_bytes(self) -> int:
+        return self.stats()["idle_bytes"]
+
+    def stats(self) -> dict:
         with self._lock:
-            return sum(len(buf) for buf, _ in self._idle)
+            self._sweep_locked()
+            return {"idle": len(self._idle), "idle_bytes": sum(len(buf) for buf, _ in self._idle),
+                    "idle_seconds": self.idle_seconds, "reused_total": self.reused, "fresh_total": self.fresh}
+
+    def _arm_locked(self) -> None:
+        """Make sure a timer will unmap the oldest idle buffer when its time is up."""
+        if self._timer is not None or not self._idle:
+            return
+        due = self._idle[0][1] + self.idle_seconds - self._clock()
+        self._timer = threading.Timer(max(0.0, due) + 0.05, self.sweep)
+        self._timer.daemon = True
+        self._timer.start()
 
     def _sweep_locked(self) -> None:
         now = self._clock()

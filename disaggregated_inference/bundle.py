@@ -12,7 +12,9 @@ Layout (all integers little-endian)::
     header     JSON, UTF-8 (see BundleHeader)
     tokens     n_tokens x u32   the prompt's token ids, in order
     frames...  each starts with one tag byte:
-        b"D"  u32 length, then that many payload bytes
+        b"D"  u32 length, then that many payload bytes (senders stream 4 MiB
+              frames, or the whole payload as one frame when it is sent
+              from a file; readers check it in 4 MiB pieces either way)
         b"E"  u32 CRC-32C of the whole payload    (end marker: last frame)
         b"X"  u16 code, u32 length, UTF-8 message (error: the sender gave up)
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import queue
 import struct
 import threading
@@ -51,6 +54,7 @@ KINDS = (KIND_LLAMA_SEQ_STATE, KIND_TOKEN_IDS)
 
 TAG_DATA, TAG_END, TAG_ERROR = b"D", b"E", b"X"
 DEFAULT_CHUNK = 4 << 20  # 4 MiB frames
+MAX_FRAME = 0xFFFFFFFF  # a data frame's length is a u32
 MAX_HEADER_BYTES = 1 << 20
 MAX_TOKENS = 1 << 22
 
@@ -103,9 +107,69 @@ class BundleHeader:
         return header
 
 
+PARALLEL_PART = 8 << 20  # checksum a buffer on several threads when each gets at least this much
+MAX_CHECKSUM_THREADS = 4  # memory bandwidth, not cores, is the limit beyond a few
+
+
 def payload_checksum(payload, value: int = 0) -> int:
-    """CRC-32C of a buffer (``value``: the checksum of the bytes before it)."""
-    return _crc32c.crc32c(payload, value) & 0xFFFFFFFF
+    """CRC-32C of a buffer (``value``: the checksum of the bytes before it).
+
+    A large buffer is split in parts checksummed on threads at once (the
+    checksum releases the GIL) and the parts' checksums are combined.
+    """
+    view = memoryview(payload).cast("B")
+    parts = min(MAX_CHECKSUM_THREADS, os.cpu_count() or 1, len(view) // PARALLEL_PART)
+    if parts < 2:
+        return _crc32c.crc32c(view, value) & 0xFFFFFFFF
+    step = -(-len(view) // parts)
+    pieces = [view[i:i + step] for i in range(0, len(view), step)]
+    crcs = [0] * len(pieces)
+
+    def run(i: int) -> None:
+        crcs[i] = _crc32c.crc32c(pieces[i]) & 0xFFFFFFFF
+
+    workers = [threading.Thread(target=run, args=(i,), name="bundle-checksum") for i in range(1, len(pieces))]
+    for worker in workers:
+        worker.start()
+    crc = _crc32c.crc32c(pieces[0], value) & 0xFFFFFFFF
+    for worker in workers:
+        worker.join()
+    for piece, part in zip(pieces[1:], crcs[1:]):
+        crc = crc32c_combine(crc, part, len(piece))
+    return crc
+
+
+# Combining checksums: CRC(A + B) from CRC(A), CRC(B) and len(B), by multiplying
+# CRC(A) by x^(8 len(B)) modulo the (bit-reflected) Castagnoli polynomial.
+_POLY = 0x82F63B78
+
+
+def _multiply(a: int, b: int) -> int:
+    """a * b modulo the polynomial, both bit-reflected (bit 31 is x^0)."""
+    product, bit = 0, 1 << 31
+    while a:
+        if a & bit:
+            product ^= b
+            a ^= bit
+        bit >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return product
+
+
+_X_POW_2K = [1 << 30]  # x^(2^k) for k = 0, 1, ...: x^1, x^2, x^4, ...
+for _ in range(31):
+    _X_POW_2K.append(_multiply(_X_POW_2K[-1], _X_POW_2K[-1]))
+
+
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """The CRC-32C of A followed by B, given both CRCs and B's length in bytes."""
+    power, k, n = 1 << 31, 3, len_b  # x^0, and x^(8 n) = x^(n 2^3)
+    while n:
+        if n & 1:
+            power = _multiply(_X_POW_2K[k % 32], power)
+        n >>= 1
+        k += 1
+    return _multiply(power, crc_a) ^ crc_b
 
 
 def encode_tokens(tokens) -> bytes:
@@ -144,6 +208,18 @@ def iter_encoded(header: BundleHeader, tokens, payload, chunk_size: int = DEFAUL
         yield TAG_DATA + _U32.pack(len(piece))
         yield piece
     yield TAG_END + _U32.pack(header.payload_crc32c)
+
+
+def encode_single_frame(header: BundleHeader, tokens) -> tuple[bytes, bytes]:
+    """The bytes that go before and after the payload when it travels as one data frame.
+
+    ``prefix + payload + suffix`` is a whole bundle: a sender that holds the
+    payload in a file can write these around it and send the file as it is.
+    """
+    if header.payload_bytes > MAX_FRAME:
+        raise ValueError(f"a payload of {header.payload_bytes} bytes does not fit in one frame")
+    prefix = encode_preamble(header, tokens) + TAG_DATA + _U32.pack(header.payload_bytes)
+    return prefix, TAG_END + _U32.pack(header.payload_crc32c)
 
 
 def encoded_length(header: BundleHeader, chunk_size: int = DEFAULT_CHUNK) -> int:
@@ -261,9 +337,11 @@ def _read_frames(src: BinaryIO, view: memoryview, checksum: _RunningChecksum) ->
             (length,) = _U32.unpack(_read_exact(src, 4, "frame length"))
             if filled + length > len(view):
                 raise BundleFormatError("bundle payload is longer than its header says")
-            piece = view[filled:filled + length]
-            _readinto_exact(src, piece, "payload")
-            checksum.feed(piece)
+            # however large the frame, check it in pieces as they arrive
+            for start in range(filled, filled + length, DEFAULT_CHUNK):
+                piece = view[start:min(start + DEFAULT_CHUNK, filled + length)]
+                _readinto_exact(src, piece, "payload")
+                checksum.feed(piece)
             filled += length
         elif tag == TAG_END:
             (declared,) = _U32.unpack(_read_exact(src, 4, "end marker"))

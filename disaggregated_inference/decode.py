@@ -83,7 +83,9 @@ def create_app(config=None, backend=None) -> Flask:
     settings = resolve(config, role="decode")
     app = web.create_base_app(settings, backend)
     st = app.extensions["disagg"]
-    pool = BufferPool()  # receive buffers, reused for a few seconds (fresh memory faults on every page)
+    # receive buffers stay mapped (and faulted in) between handoffs: fresh memory faults on every page
+    pool = st.receive_buffers = BufferPool(idle_seconds=settings.kv_buffer_idle_seconds)
+    st.metrics.watch_receive_buffers(pool)
 
     @app.post("/decode")
     def decode():

@@ -24,6 +24,7 @@ class Lease:
     payload: object  # any buffer; the only reference the server keeps
     expires_at: float
     created_at: float = field(default_factory=time.time)
+    framed: object = None  # sender.Framed when the whole bundle lies in the payload's file
 
     @property
     def nbytes(self) -> int:
@@ -49,9 +50,9 @@ class LeaseTable:
             self._sweeper = threading.Thread(target=self._sweep_loop, args=(sweep_every,), name="lease-sweeper", daemon=True)
             self._sweeper.start()
 
-    def put(self, header, tokens, payload, ttl_seconds: float | None = None) -> Lease:
+    def put(self, header, tokens, payload, ttl_seconds: float | None = None, framed=None) -> Lease:
         ttl = self.ttl if ttl_seconds is None else float(ttl_seconds)
-        lease = Lease(secrets.token_urlsafe(18), header, tokens, payload, self._clock() + ttl)
+        lease = Lease(secrets.token_urlsafe(18), header, tokens, payload, self._clock() + ttl, framed=framed)
         with self._lock:
             self._sweep_locked()
             self._leases[lease.handle] = lease

@@ -49,6 +49,10 @@ class ServerMetrics:
             self._resources[name] = Gauge(f"disagg_{name}", doc, registry=r)
         self.role = role
 
+    def watch_receive_buffers(self, pool) -> None:
+        Gauge("disagg_receive_buffer_idle_bytes", "Bytes of freed KV receive buffers kept for reuse",
+              registry=self.registry).set_function(pool.idle_bytes)
+
     def observe_decode(self, metrics: dict) -> None:
         if metrics.get("decode_time") is not None:
             self.decode_seconds.observe(metrics["decode_time"])

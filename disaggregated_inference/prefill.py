@@ -10,7 +10,7 @@ import time
 
 from flask import Flask, Response, request
 
-from . import bundle, web
+from . import bundle, sender, web
 from .api import parse_prefill
 from .lease import LeaseTable
 from .settings import resolve
@@ -36,7 +36,8 @@ def create_app(config=None, backend=None) -> Flask:
             kind=result.kind, n_tokens=len(result.tokens), payload_bytes=len(memoryview(result.payload)),
             payload_crc32c=crc, fingerprint=result.fingerprint, meta=result.meta,
         )
-        lease = st.leases.put(header, result.tokens, result.payload, req.lease_seconds)
+        framed = sender.frame_in_place(header, result.tokens, result.payload)
+        lease = st.leases.put(header, result.tokens, result.payload, req.lease_seconds, framed=framed)
         base = (settings.data_url or request.host_url).rstrip("/")
         metrics = dict(result.metrics)
         metrics["kv_checksum_time"] = round(checksum_time, 6)
@@ -60,6 +61,7 @@ def create_app(config=None, backend=None) -> Flask:
                 "kind": result.kind,
                 "bytes": header.payload_bytes,
                 "crc32c": crc,
+                "sent_as": "sendfile" if framed is not None else "frames",
                 "expires_at": lease.expires_at,
                 "lease_seconds": round(lease.expires_at - time.time(), 3),
             },
@@ -68,24 +70,16 @@ def create_app(config=None, backend=None) -> Flask:
     @app.get("/kv/<handle>")
     def kv(handle: str):
         lease = st.leases.get(handle)
-
-        def body():
-            finished = False
-            try:
-                for piece in bundle.iter_encoded(lease.header, lease.tokens, lease.payload):
-                    yield piece if isinstance(piece, bytes) else bytes(piece)  # WSGI wants bytes; 4 MiB at a time
-                finished = True
-            finally:
-                if finished:  # fetched whole: free it now; a broken fetch keeps the lease until expiry
-                    st.leases.release(handle)
-
+        # fetched whole: freed now; a broken fetch keeps the lease (for a retry) until it expires
+        body = sender.body(lease.header, lease.tokens, lease.payload, lease.framed, request.environ,
+                           on_sent=lambda: st.leases.release(handle))
         headers = {
-            "Content-Length": str(bundle.encoded_length(lease.header)),
+            "Content-Length": str(sender.content_length(lease.header, lease.framed)),
             "X-KV-Bytes": str(lease.header.payload_bytes),
             "X-KV-CRC32C": str(lease.header.payload_crc32c),
             "X-KV-Kind": lease.header.kind,
         }
-        return Response(body(), mimetype=bundle.CONTENT_TYPE, headers=headers, direct_passthrough=True)
+        return Response(body, mimetype=bundle.CONTENT_TYPE, headers=headers, direct_passthrough=True)
 
     @app.delete("/kv/<handle>")
     def kv_release(handle: str):

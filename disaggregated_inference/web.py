@@ -31,6 +31,7 @@ class ServerState:
     owner: ModelOwner
     started_at: float = field(default_factory=time.time)
     leases: object = None  # LeaseTable, prefill servers only
+    receive_buffers: object = None  # buffers.BufferPool, decode servers only
     metrics: object = None  # ServerMetrics
 
     @property
@@ -121,6 +122,8 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
                 body["status"], body["loaded"] = "degraded", False
         if st.leases is not None:
             body["leases"] = st.leases.stats()
+        if st.receive_buffers is not None:
+            body["receive_buffers"] = st.receive_buffers.stats()
         from .resources import snapshot  # psutil is imported only when health is asked for
 
         body["resources"] = snapshot()

@@ -1,6 +1,11 @@
-"""Large KV buffers: mapped memory that goes back to the system, and a pool that reuses it briefly."""
+"""Large KV buffers: mapped memory that goes back to the system, sendable files, and a pool that keeps them warm."""
 import ctypes
 import mmap
+import os
+import threading
+import time
+
+import pytest
 
 from disaggregated_inference import buffers
 from disaggregated_inference.buffers import HUGE_THRESHOLD, BufferPool
@@ -65,3 +70,41 @@ def test_small_buffers_and_bytearrays_are_not_pooled():
     pool.give(small)
     pool.give(bytearray(HUGE_THRESHOLD))
     assert pool.idle_bytes() == 0
+
+
+def test_idle_buffers_are_unmapped_by_one_timer_without_anyone_asking():
+    pool = BufferPool(keep=2, idle_seconds=0.2)
+    before_threads = threading.active_count()
+    for _ in range(5):
+        pool.give(pool.take(HUGE_THRESHOLD))  # one timer at a time, however many buffers come back
+        assert threading.active_count() <= before_threads + 1
+    assert pool.stats()["idle"] == 1 and pool.stats()["reused_total"] == 4
+    deadline = time.monotonic() + 5
+    while pool.stats()["idle"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.stats()["idle_bytes"] == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="in-memory files (memfd) are Linux's")
+def test_a_sendable_buffer_lies_in_an_in_memory_file_with_room_around_it_and_is_freed_with_it():
+    before = buffers.usage.live
+    view = buffers.sendable(HUGE_THRESHOLD + 3)
+    assert len(view) == HUGE_THRESHOLD + 3 and bytes(view[:4]) == b"\0\0\0\0"
+    view[:5] = b"hello"
+    span = buffers.span_of(view)
+    assert span.length == len(view) and span.offset >= 64 << 10 and span.tailroom >= 4096
+    assert os.pread(span.fd, 5, span.offset) == b"hello"  # the file and the buffer are the same bytes
+    inner = buffers.span_of(view[2:10])
+    assert (inner.fd, inner.offset, inner.length) == (span.fd, span.offset + 2, 8)
+    assert buffers.usage.live > before
+    fd = span.fd
+    del view, inner
+    assert buffers.usage.live == before  # unmapped and the file closed with its last reference
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def test_plain_buffers_lie_in_no_file():
+    assert buffers.span_of(bytearray(10)) is None
+    assert buffers.span_of(buffers.allocate(HUGE_THRESHOLD)) is None
+    assert buffers.sendable(100) == bytearray(100)  # small ones are plain

@@ -100,3 +100,39 @@ def test_header_rejects_unknown_kind_and_bad_token_counts():
                                       b'"payload_bytes":0,"payload_crc32c":0}')
     with pytest.raises(ValueError, match="header says 2 tokens"):
         bundle.encode_preamble(make(payload=b"", tokens=(1, 2))[0], [1])
+
+
+def test_one_large_frame_reads_like_many_and_a_damaged_byte_in_it_is_caught():
+    header, tokens, payload = make(payload=os.urandom(9 * 1024 * 1024 + 5))  # over two reading pieces
+    prefix, suffix = bundle.encode_single_frame(header, tokens)
+    raw = prefix + payload + suffix
+    assert len(raw) == len(bundle.to_bytes(header, tokens, payload)) - 2 * 5  # two frame headers fewer
+    got_header, got_tokens, got_payload = bundle.read_bundle(io.BytesIO(raw))
+    assert got_header == header and got_tokens == tokens and bytes(got_payload) == payload
+    damaged = bytearray(raw)
+    damaged[len(prefix) + 8 * 1024 * 1024 + 1] ^= 0x01  # in the last piece of the frame
+    with pytest.raises(bundle.BundleFormatError, match="checksum mismatch"):
+        bundle.read_bundle(io.BytesIO(bytes(damaged)))
+
+
+def test_a_payload_over_four_gib_does_not_pretend_to_fit_one_frame():
+    header = bundle.BundleHeader(bundle.KIND_LLAMA_SEQ_STATE, 0, bundle.MAX_FRAME + 1, 0)
+    with pytest.raises(ValueError, match="does not fit in one frame"):
+        bundle.encode_single_frame(header, [])
+
+
+@pytest.mark.parametrize("len_a,len_b", [(0, 0), (0, 5), (5, 0), (1, 1), (1000, 3), (4096, 65537)])
+def test_checksums_of_parts_combine_into_the_checksum_of_the_whole(len_a, len_b):
+    a, b = os.urandom(len_a), os.urandom(len_b)
+    whole = bundle.payload_checksum(a + b)
+    assert bundle.crc32c_combine(bundle.payload_checksum(a), bundle.payload_checksum(b), len_b) == whole
+    assert bundle.payload_checksum(b, bundle.payload_checksum(a)) == whole
+
+
+def test_a_large_payload_checksummed_on_threads_matches_the_plain_checksum():
+    import crc32c
+
+    payload = os.urandom(1 << 20) * (4 * bundle.PARALLEL_PART // (1 << 20)) + b"tail"
+    assert bundle.payload_checksum(payload) == crc32c.crc32c(payload)
+    assert bundle.payload_checksum(payload, 12345) == crc32c.crc32c(payload, 12345)
+    assert bundle.payload_checksum(bytearray(payload)) == crc32c.crc32c(payload)

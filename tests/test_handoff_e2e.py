@@ -6,11 +6,15 @@ generates from the same state.
 """
 from __future__ import annotations
 
+import io
 import json
+import os
 import time
 
 import pytest
+import requests
 
+from disaggregated_inference import bundle
 from disaggregated_inference.backends import ModelSettings, Prompt, create
 
 from .conftest import THREADS
@@ -107,6 +111,35 @@ def test_fetched_bundle_is_freed_and_cannot_be_fetched_twice(http, qwen_prefill,
     assert http.post(f"{qwen_decode}/decode", json={"kv": kv, "max_new_tokens": 2}).status_code == 200
     again = http.get(kv["url"])
     assert again.status_code == 404 and "already fetched" in again.json()["error"]
+
+
+def test_a_fetch_broken_off_keeps_the_lease_and_a_whole_one_frees_it(http, qwen_prefill):
+    pre = http.post(f"{qwen_prefill}/prefill", json={"prompt": prompt_of(40)}).json()
+    kv = pre["kv"]
+    assert kv["bytes"] > 8 << 20
+    # large KV is exported into an in-memory file and sent from it with sendfile on Linux
+    assert kv["sent_as"] == ("sendfile" if hasattr(os, "memfd_create") else "frames")
+    with requests.get(kv["url"], stream=True, timeout=30) as partial:  # its own connection, dropped after 1 MiB
+        assert partial.status_code == 200
+        assert len(next(partial.iter_content(1 << 20))) > 0
+    whole = http.get(kv["url"])
+    assert whole.status_code == 200 and len(whole.content) == int(whole.headers["Content-Length"])
+    header, tokens, payload = bundle.read_bundle(io.BytesIO(whole.content))
+    assert len(payload) == kv["bytes"] and header.payload_crc32c == kv["crc32c"]
+    assert len(tokens) == pre["prompt_tokens"]
+    assert http.get(kv["url"]).status_code == 404  # freed once fetched whole
+
+
+def test_the_decode_server_keeps_its_receive_buffer_warm_for_the_next_handoff(http, qwen_prefill, qwen_decode):
+    def handoff():
+        kv = http.post(f"{qwen_prefill}/prefill", json={"prompt": prompt_of(40)}).json()["kv"]
+        assert http.post(f"{qwen_decode}/decode", json={"kv": kv, "max_new_tokens": 1}).status_code == 200
+        return http.get(f"{qwen_decode}/health").json()["receive_buffers"]
+
+    first, second = handoff(), handoff()
+    assert first["idle"] >= 1 and first["idle_bytes"] >= 8 << 20 and first["idle_seconds"] == 300
+    assert second["reused_total"] == first["reused_total"] + 1  # no fresh mapping: no page faults to pay again
+    assert second["fresh_total"] == first["fresh_total"]
 
 
 def _rss(http, url) -> int:

@@ -19,7 +19,7 @@ from importlib.metadata import version as package_version
 from typing import Callable, Iterator
 
 from .. import fingerprint as fp
-from ..buffers import HUGE_THRESHOLD, allocate
+from ..buffers import HUGE_THRESHOLD, sendable
 from ..bundle import KIND_LLAMA_SEQ_STATE, KIND_TOKEN_IDS
 from ..errors import BadRequest, BundleError, ContextOverflow, FingerprintMismatch
 from ..models import resolve_gguf
@@ -184,7 +184,7 @@ class LlamaCppBackend(Backend):
         ready: list = []
 
         def touch():
-            buf = allocate(estimate)
+            buf = sendable(estimate)
             ctypes.memset((ctypes.c_uint8 * estimate).from_buffer(buf), 0, estimate)  # releases the GIL
             ready.append(buf)
 
@@ -197,13 +197,13 @@ class LlamaCppBackend(Backend):
         return wait
 
     def export_state(self, prepared=None) -> memoryview:
-        """The current sequence's KV as a buffer (the one extra copy on this side)."""
+        """The current sequence's KV as a buffer (the one extra copy on this side), in a sendable file."""
         import llama_cpp
 
         ctx = self.llm._ctx.ctx
         size = llama_cpp.llama_state_seq_get_size(ctx, SEQ)
         # a prepared buffer serves if it is large enough and wastes at most a quarter
-        buf = prepared if prepared is not None and size <= len(prepared) <= 1.25 * size + (1 << 20) else allocate(size)
+        buf = prepared if prepared is not None and size <= len(prepared) <= 1.25 * size + (1 << 20) else sendable(size)
         written = llama_cpp.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, SEQ)
         if written == 0 and size:
             raise RuntimeError("llama_state_seq_get_data wrote nothing")
