@@ -71,8 +71,8 @@ def _advise_huge(buf: mmap.mmap) -> None:
 class FileSpan:
     """Where a buffer lies inside an in-memory file: ``fd``, first byte at ``offset``, ``length`` bytes.
 
-    The bytes before ``offset`` (at least ``headroom`` of them) and after the
-    buffer's end (``tailroom``) belong to the file too, free for framing.
+    The ``offset`` bytes before the buffer and the ``tailroom`` bytes after it
+    belong to the file too, free for framing.
     """
     fd: int
     offset: int

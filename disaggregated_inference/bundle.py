@@ -188,6 +188,16 @@ def encode_preamble(header: BundleHeader, tokens) -> bytes:
     return _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(raw)) + raw + encode_tokens(tokens)
 
 
+def encode_frame_head(length: int) -> bytes:
+    """What precedes ``length`` payload bytes in a data frame."""
+    return TAG_DATA + _U32.pack(length)
+
+
+def encode_end(header: BundleHeader) -> bytes:
+    """The end marker: the last frame, carrying the whole payload's checksum."""
+    return TAG_END + _U32.pack(header.payload_crc32c)
+
+
 def encode_error(code: int, message: str) -> bytes:
     raw = message.encode("utf-8")
     return TAG_ERROR + _ERROR.pack(code, len(raw)) + raw
@@ -205,9 +215,9 @@ def iter_encoded(header: BundleHeader, tokens, payload, chunk_size: int = DEFAUL
     yield encode_preamble(header, tokens)
     for start in range(0, len(view), chunk_size):
         piece = view[start:start + chunk_size]
-        yield TAG_DATA + _U32.pack(len(piece))
+        yield encode_frame_head(len(piece))
         yield piece
-    yield TAG_END + _U32.pack(header.payload_crc32c)
+    yield encode_end(header)
 
 
 def encode_single_frame(header: BundleHeader, tokens) -> tuple[bytes, bytes]:
@@ -218,8 +228,7 @@ def encode_single_frame(header: BundleHeader, tokens) -> tuple[bytes, bytes]:
     """
     if header.payload_bytes > MAX_FRAME:
         raise ValueError(f"a payload of {header.payload_bytes} bytes does not fit in one frame")
-    prefix = encode_preamble(header, tokens) + TAG_DATA + _U32.pack(header.payload_bytes)
-    return prefix, TAG_END + _U32.pack(header.payload_crc32c)
+    return encode_preamble(header, tokens) + encode_frame_head(header.payload_bytes), encode_end(header)
 
 
 def encoded_length(header: BundleHeader, chunk_size: int = DEFAULT_CHUNK) -> int:

@@ -58,7 +58,6 @@ while [ $# -gt 0 ]; do
     --install-config) INSTALL_CONFIG=1; shift; continue ;;
   esac
   parse_common "$@"
-  [ "$CONSUMED" -gt 0 ] || die "unknown option: $1 (see --help)" 2
   shift "$CONSUMED"
 done
 setup

@@ -45,7 +45,6 @@ while [ $# -gt 0 ]; do
     --no-attach) attach=0; shift; continue ;;
   esac
   parse_common "$@"
-  [ "$CONSUMED" -gt 0 ] || die "unknown option: $1 (see --help)" 2
   shift "$CONSUMED"
 done
 case "$lines" in '' | *[!0-9]*) die "--lines must be a number, not '$lines'" 2 ;; esac

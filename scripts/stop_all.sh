@@ -46,7 +46,6 @@ while [ $# -gt 0 ]; do
     --all-local) all_local=1; shift; continue ;;
   esac
   parse_common "$@"
-  [ "$CONSUMED" -gt 0 ] || die "unknown option: $1 (see --help)" 2
   shift "$CONSUMED"
 done
 setup

@@ -63,7 +63,8 @@ need_value() {  # need_value OPTION VALUE...: the option must be followed by a v
   [ $# -ge 2 ] || die "$1 needs a value (see --help)" 2
 }
 
-# Options every script takes. Sets CONSUMED to the number of words used (0: not a common option).
+# Options every script takes, after its own: sets CONSUMED to the number of words used; any other
+# option is an error (exit 2).
 parse_common() {
   CONSUMED=1
   case "$1" in
@@ -78,7 +79,7 @@ parse_common() {
     --ssh-user=*) SSH_USER=${1#*=} ;;
     --manager) need_value "$@"; MANAGER=$2; CONSUMED=2 ;;
     --manager=*) MANAGER=${1#*=} ;;
-    *) CONSUMED=0 ;;
+    *) die "unknown option: $1 (see --help)" 2 ;;
   esac
 }
 

@@ -84,7 +84,6 @@ start_main() {  # ROLE ARGS...
       --no-wait) wait=0; shift; continue ;;
     esac
     parse_common "$@"
-    [ "$CONSUMED" -gt 0 ] || die "unknown option: $1 (see --help)" 2
     shift "$CONSUMED"
   done
   setup
