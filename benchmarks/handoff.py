@@ -10,13 +10,16 @@ gunicorn servers on loopback:
 - ``handoff_gbps``: KV bits over export (+checksum) + transfer + import time;
 - ``loopback_gbps``: raw loopback TCP throughput measured in the same run
   (one Python socket pair, 256 MiB per measurement; median of three at the
-  start and one just before every handoff, since a shared machine's speed
-  drifts during a run); each result also gives ``loopback_gbps`` measured
-  alongside its own handoffs and ``handoff_fraction``, the median over its runs
-  of handoff_gbps / the loopback measured just before;
+  start and of one just before and one just after every handoff's transfer,
+  since a shared machine's speed drifts during a run); each result also gives
+  ``loopback_gbps`` measured around its own handoffs and ``handoff_fraction``,
+  the median over its runs of handoff_gbps / the mean of the two loopback
+  figures taken around that handoff;
 - ``loopback_bulk_gbps``: loopback TCP moving 64 MiB from one buffer into
   another, both larger than the CPU caches, as a KV transfer has to (the
   figure above resends one cache-hot 1 MiB chunk, as iperf does);
+- ``memory_copy_gbps``: one thread copying 64 MiB from one buffer into another
+  (``memmove``), the speed limit of the export and the import, which are copies;
 - ``memory``: peak Python-traced memory of each side of the handoff, in KV
   copies, measured in this process with the servers' own code paths
   (tracemalloc for Python allocations plus the mapped buffers of buffers.py).
@@ -26,6 +29,7 @@ gunicorn servers on loopback:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import io
 import json
 import socket
@@ -91,15 +95,36 @@ def loopback_bulk_gbps(total_bytes: int = 64 << 20, chunk: int = 1 << 20) -> flo
     return _loopback(pieces, total_bytes, lambda received: sink[received:received + chunk])
 
 
+def memory_copy_gbps(total_bytes: int = 64 << 20) -> float:
+    """One thread copying ``total_bytes`` between two buffers larger than the CPU caches, in Gb/s."""
+    source, sink = buffers.allocate(total_bytes), buffers.allocate(total_bytes)
+    source[:] = sink[:] = b"\1" * total_bytes  # fault every page in before timing
+    src = ctypes.addressof((ctypes.c_char * total_bytes).from_buffer(source))
+    dst = ctypes.addressof((ctypes.c_char * total_bytes).from_buffer(sink))
+    started = time.perf_counter()
+    ctypes.memmove(dst, src, total_bytes)
+    return total_bytes * 8 / (time.perf_counter() - started) / 1e9
+
+
 def prompt_for(tokens_wanted: int, tokens_per_repeat: float) -> str:
     return FILLER * max(0, round((tokens_wanted - 30) / tokens_per_repeat)) + QUESTION
 
 
-def handoff_run(http, prefill_url, decode_url, prompt) -> dict:
-    """Prefill, then decode one token from the handed-over KV."""
+def handoff_run(http, prefill_url, decode_url, prompt, loopback=None) -> dict:
+    """Prefill, then decode one token from the handed-over KV.
+
+    With ``loopback`` (a list), raw loopback throughput is measured right before
+    and right after the decode call, while the KV waits under its lease, and both
+    figures are appended: this machine's speed drifts within seconds, and the
+    prompt's evaluation takes longer than that.
+    """
     pre = http.post(f"{prefill_url}/prefill", json={"prompt": prompt}).json()
     kv = pre["kv"]
+    if loopback is not None:
+        loopback.append(loopback_gbps(256 << 20))
     hand = http.post(f"{decode_url}/decode", json={"kv": kv, "max_new_tokens": 1}).json()["metrics"]
+    if loopback is not None:
+        loopback.append(loopback_gbps(256 << 20))
     assert hand["prompt_tokens_recomputed"] == 1, hand
     export = pre["metrics"]["kv_export_time"] + pre["metrics"]["kv_checksum_time"]
     moved = export + hand["kv_transfer_time"] + hand["kv_load_time"]
@@ -202,6 +227,7 @@ def main(argv=None) -> int:
         per_repeat = (calib["prompt_tokens"] - 30) / 20
         loopback = [loopback_gbps(256 << 20) for _ in range(3)]
         bulk = statistics.median(loopback_bulk_gbps() for _ in range(3))
+        memory_copy = statistics.median(memory_copy_gbps() for _ in range(5))
         handoff_run(http, args.prefill, args.decode, prompt_for(64, per_repeat))  # warm both servers
         results = []
         for size in args.sizes:
@@ -209,10 +235,9 @@ def main(argv=None) -> int:
             # back to back, as a busy cluster runs them; the first one is reported apart (cold buffers)
             runs = []
             for _ in range(args.repeat):
-                loopback.append(loopback_gbps(256 << 20))
-                runs.append(handoff_run(http, args.prefill, args.decode, prompt))
-                runs[-1]["loopback_gbps"] = loopback[-1]
-                runs[-1]["handoff_fraction"] = runs[-1]["handoff_gbps"] / loopback[-1]
+                runs.append(handoff_run(http, args.prefill, args.decode, prompt, loopback))
+                runs[-1]["loopback_gbps"] = statistics.mean(loopback[-2:])  # around this handoff
+                runs[-1]["handoff_fraction"] = runs[-1]["handoff_gbps"] / runs[-1]["loopback_gbps"]
             redo = [reprefill_run(http, args.prefill, args.decode, prompt, runs[0]["fingerprint"])
                     for _ in range(args.reprefill_repeat)]
             row = {key: statistics.median(r[key] for r in runs)
@@ -226,13 +251,15 @@ def main(argv=None) -> int:
     finally:
         if cluster:
             cluster.stop()
-    out = {"loopback_gbps": round(statistics.median(loopback), 3), "loopback_bulk_gbps": round(bulk, 3), "results": results, "memory": memory,
+    out = {"loopback_gbps": round(statistics.median(loopback), 3), "loopback_bulk_gbps": round(bulk, 3),
+           "memory_copy_gbps": round(memory_copy, 3), "results": results, "memory": memory,
            "machine": {"cpus": __import__("os").cpu_count(), "threads_per_server": args.threads}}
     if args.json:
         print(json.dumps(out))
     else:
         print(f"loopback: {out['loopback_gbps']} Gb/s (one cache-hot chunk resent), "
-              f"{out['loopback_bulk_gbps']} Gb/s (memory to memory)")
+              f"{out['loopback_bulk_gbps']} Gb/s (memory to memory); "
+              f"memory copy: {out['memory_copy_gbps']} Gb/s")
         for r in results:
             print(f"{r['prompt_tokens']:5d} tokens: handoff TTFT {r['handoff_ttft_s'] * 1000:7.1f} ms, "
                   f"re-prefill TTFT {r['reprefill_ttft_s'] * 1000:8.1f} ms, speedup {r['speedup']:6.1f}x, "

@@ -54,6 +54,7 @@ SERVER_DEFAULTS = {
     "kv_fetch_timeout": 60.0,
     "slow_transfer_seconds": 1.0,
     "kv_buffer_idle_seconds": 300.0,
+    "kv_socket_buffer_bytes": 4 << 20,
     "max_kv_bytes": 64 << 30,
     "api_token": None,
     "threads": 8,

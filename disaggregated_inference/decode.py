@@ -97,7 +97,8 @@ def create_app(config=None, backend=None) -> Flask:
         if req.kv is not None:
             received, extra = fetch(req.kv, timeout=settings.kv_fetch_timeout,
                                     connect_timeout=settings.connect_timeout, api_token=settings.api_token,
-                                    max_bytes=settings.max_kv_bytes, pool=pool)
+                                    max_bytes=settings.max_kv_bytes, pool=pool,
+                                    socket_buffer=settings.kv_socket_buffer_bytes)
             st.metrics.kv_bytes.inc(extra["kv_bytes"])
             st.metrics.kv_transfer_seconds.observe(extra["kv_transfer_time"])
             if extra["kv_transfer_time"] > settings.slow_transfer_seconds:

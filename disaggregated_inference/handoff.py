@@ -5,12 +5,20 @@ response read frame by frame into one buffer. The pull uses ``http.client``
 rather than ``requests``: its ``readinto`` receives straight into our buffer
 (urllib3's reads into a temporary bytes object and copies). Every failure maps
 to one error of ``errors.py`` that names the problem.
+
+Each pull opens a fresh connection, whose kernel receive buffer would start
+small (128 KiB) and grow only as the transfer proceeds; on Linux the socket is
+given a fixed receive buffer up front (``socket_buffer``) when the kernel allows
+one that large (``net.core.rmem_max``), since asking for more than that would
+cap the buffer below what autotuning reaches.
 """
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import socket
+import sys
 import time
 from urllib.parse import urlsplit
 
@@ -21,16 +29,48 @@ from .buffers import BufferPool
 from .errors import BundleError, LeaseExpired, NotFound, UpstreamError, UpstreamTimeout
 
 
-def _connect(url, connect_timeout: float, timeout: float) -> http.client.HTTPConnection:
+@functools.cache
+def receive_buffer_limit() -> int | None:
+    """The largest receive buffer a socket may ask for (Linux ``net.core.rmem_max``); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None  # macOS and others: leave buffer sizing to the kernel's autotuning
+    try:
+        with open("/proc/sys/net/core/rmem_max") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def socket_buffer_in_effect(size: int) -> int | None:
+    """The receive buffer a KV pull asks for: ``size`` where the kernel allows that much, else None.
+
+    A fixed size turns the kernel's autotuning off, so a request above the
+    system's limit (which the kernel would silently cut down) is not made at all.
+    """
+    limit = receive_buffer_limit()
+    return size if 0 < size and limit is not None and size <= limit else None
+
+
+def size_receive_buffer(sock: socket.socket, size: int) -> bool:
+    """Give ``sock`` a ``size``-byte receive buffer if the kernel allows that much; True when set."""
+    if socket_buffer_in_effect(size) is None:
+        return False
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+    return True
+
+
+def _connect(url, connect_timeout: float, timeout: float, socket_buffer: int = 0) -> http.client.HTTPConnection:
     cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
     conn = cls(url.hostname, url.port, timeout=connect_timeout)
     conn.connect()
     conn.sock.settimeout(timeout)
+    size_receive_buffer(conn.sock, socket_buffer)
     return conn
 
 
 def fetch(ref: KVRef, *, timeout: float, connect_timeout: float = 3.0, api_token: str | None = None,
-          max_bytes: int | None = None, pool: BufferPool | None = None) -> tuple[Received, dict]:
+          max_bytes: int | None = None, pool: BufferPool | None = None,
+          socket_buffer: int = 0) -> tuple[Received, dict]:
     headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
     url = urlsplit(ref.url)
     path = url.path + (f"?{url.query}" if url.query else "")
@@ -38,7 +78,7 @@ def fetch(ref: KVRef, *, timeout: float, connect_timeout: float = 3.0, api_token
     started = time.perf_counter()
     conn = None
     try:
-        conn = _connect(url, connect_timeout, timeout)
+        conn = _connect(url, connect_timeout, timeout, socket_buffer)
         conn.request("GET", path, headers=headers)
         resp = conn.getresponse()
         if resp.status != 200:

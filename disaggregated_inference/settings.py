@@ -29,6 +29,7 @@ class ServerSettings:
     connect_timeout: float = 3.0
     slow_transfer_seconds: float = 1.0
     kv_buffer_idle_seconds: float = 300.0  # decode: how long a freed receive buffer is kept warm
+    kv_socket_buffer_bytes: int = 4 << 20  # decode: the KV pull's socket receive buffer; 0 = the kernel's
     max_kv_bytes: int = 64 << 30
     api_token: str | None = None
     data_url: str | None = None  # base URL peers use to fetch KV from this server
@@ -68,6 +69,7 @@ def from_cluster(cfg: cluster_config.ClusterConfig, server_name: str) -> ServerS
         kv_fetch_timeout=float(server["kv_fetch_timeout"]),
         slow_transfer_seconds=float(server["slow_transfer_seconds"]),
         kv_buffer_idle_seconds=float(server["kv_buffer_idle_seconds"]),
+        kv_socket_buffer_bytes=int(server["kv_socket_buffer_bytes"]),
         max_kv_bytes=int(server["max_kv_bytes"]), api_token=server.get("api_token"),
         data_url=entry.data_url, aliases=tuple(cfg.models[entry.model].get("aliases", ())),
     )

@@ -17,6 +17,7 @@ from werkzeug.exceptions import HTTPException
 
 from . import __version__, backends
 from .errors import BadRequest, DisaggError, ModelNotFound, Unauthorized
+from .handoff import socket_buffer_in_effect
 from .metrics import ServerMetrics
 from .owner import ModelOwner
 from .settings import ServerSettings
@@ -123,7 +124,8 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
         if st.leases is not None:
             body["leases"] = st.leases.stats()
         if st.receive_buffers is not None:
-            body["receive_buffers"] = st.receive_buffers.stats()
+            body["receive_buffers"] = {**st.receive_buffers.stats(),
+                                       "socket_buffer_bytes": socket_buffer_in_effect(settings.kv_socket_buffer_bytes)}
         from .resources import snapshot  # psutil is imported only when health is asked for
 
         body["resources"] = snapshot()

@@ -15,6 +15,7 @@ import pytest
 import requests
 
 from disaggregated_inference import bundle
+from disaggregated_inference import handoff as handoff_module
 from disaggregated_inference.backends import ModelSettings, Prompt, create
 
 from .conftest import THREADS
@@ -140,6 +141,8 @@ def test_the_decode_server_keeps_its_receive_buffer_warm_for_the_next_handoff(ht
     assert first["idle"] >= 1 and first["idle_bytes"] >= 8 << 20 and first["idle_seconds"] == 300
     assert second["reused_total"] == first["reused_total"] + 1  # no fresh mapping: no page faults to pay again
     assert second["fresh_total"] == first["fresh_total"]
+    # the pull's socket asks for the configured 4 MiB only where this kernel allows that much
+    assert second["socket_buffer_bytes"] == handoff_module.socket_buffer_in_effect(4 << 20)
 
 
 def _rss(http, url) -> int:
@@ -177,10 +180,6 @@ def test_token_ids_only_make_the_decode_side_recompute_the_whole_prompt(http, qw
 
 def _tokens_of(http, prefill_url, prompt) -> list[int]:
     """The prompt's token ids, read from the bundle itself (the wire format carries them)."""
-    import io
-
-    from disaggregated_inference import bundle
-
     kv = http.post(f"{prefill_url}/prefill", json={"prompt": prompt}).json()["kv"]
     _, tokens, _ = bundle.read_bundle(io.BytesIO(http.get(kv["url"]).content))
     return tokens

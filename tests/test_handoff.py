@@ -1,0 +1,128 @@
+"""The decode side's pull of a bundle (``handoff.fetch``) against a plain local HTTP server."""
+import http.server
+import os
+import socket
+import sys
+import threading
+
+import pytest
+
+from disaggregated_inference import bundle, handoff
+from disaggregated_inference.api import KVRef
+from disaggregated_inference.errors import BundleError, NotFound
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sizes the buffer on Linux only")
+
+
+@pytest.fixture()
+def served():
+    """A one-route HTTP server answering GET with whatever bytes the test puts in ``bodies``."""
+    bodies: dict = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path not in bodies:
+                self.send_response(404)
+                body = b'{"error": "unknown KV handle"}'
+            else:
+                self.send_response(200)
+                body = bodies[self.path]
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", bodies
+    server.shutdown()
+    server.server_close()
+
+
+def make_bundle(payload: bytes, tokens=(5, 6, 7)):
+    header = bundle.BundleHeader(kind=bundle.KIND_LLAMA_SEQ_STATE, n_tokens=len(tokens), payload_bytes=len(payload),
+                                 payload_crc32c=bundle.payload_checksum(payload), fingerprint={"model_sha256": "cd"})
+    return header, bundle.to_bytes(header, list(tokens), payload)
+
+
+def receive_buffer(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+
+
+@linux_only
+def test_a_receive_buffer_within_the_system_limit_is_set(monkeypatch):
+    monkeypatch.setattr(handoff, "receive_buffer_limit", lambda: 1 << 30)
+    with socket.socket() as sock:
+        before = receive_buffer(sock)
+        assert handoff.size_receive_buffer(sock, 96 << 10)  # under any kernel's default limit
+        assert receive_buffer(sock) != before
+        assert receive_buffer(sock) >= 96 << 10  # Linux reports twice what was asked (its bookkeeping)
+
+
+@linux_only
+def test_a_receive_buffer_above_the_system_limit_is_not_asked_for(monkeypatch):
+    monkeypatch.setattr(handoff, "receive_buffer_limit", lambda: 32 << 10)
+    with socket.socket() as sock:
+        before = receive_buffer(sock)
+        assert not handoff.size_receive_buffer(sock, 64 << 10)  # the kernel would cut it and stop autotuning
+        assert not handoff.size_receive_buffer(sock, 0)
+        assert receive_buffer(sock) == before
+
+
+def test_the_buffer_in_effect_is_the_asked_size_only_within_the_limit(monkeypatch):
+    monkeypatch.setattr(handoff, "receive_buffer_limit", lambda: 4 << 20)
+    assert handoff.socket_buffer_in_effect(4 << 20) == 4 << 20
+    assert handoff.socket_buffer_in_effect((4 << 20) + 1) is None
+    assert handoff.socket_buffer_in_effect(0) is None
+
+
+def test_no_limit_known_means_the_kernel_keeps_sizing_the_buffer(monkeypatch):
+    monkeypatch.setattr(handoff, "receive_buffer_limit", lambda: None)
+    with socket.socket() as sock:
+        before = receive_buffer(sock)
+        assert not handoff.size_receive_buffer(sock, 64 << 10)
+        assert receive_buffer(sock) == before
+
+
+def test_the_limit_is_read_from_the_kernel_on_linux_and_not_guessed_elsewhere(monkeypatch):
+    handoff.receive_buffer_limit.cache_clear()
+    try:
+        if sys.platform.startswith("linux"):
+            with open("/proc/sys/net/core/rmem_max") as f:
+                assert handoff.receive_buffer_limit() == int(f.read())
+        monkeypatch.setattr(sys, "platform", "darwin")
+        handoff.receive_buffer_limit.cache_clear()
+        assert handoff.receive_buffer_limit() is None
+    finally:
+        monkeypatch.undo()
+        handoff.receive_buffer_limit.cache_clear()
+
+
+def test_fetch_sizes_its_socket_and_returns_the_verified_bundle(served, monkeypatch):
+    base, bodies = served
+    payload = os.urandom(300_000)
+    header, raw = make_bundle(payload)
+    bodies["/kv/abc"] = raw
+    asked = []
+    real = handoff.size_receive_buffer
+    monkeypatch.setattr(handoff, "size_receive_buffer", lambda sock, size: asked.append(size) or real(sock, size))
+    ref = KVRef(url=f"{base}/kv/abc", handle="abc", bytes=len(payload), crc32c=header.payload_crc32c)
+    received, stats = handoff.fetch(ref, timeout=10, socket_buffer=1 << 20)
+    assert asked == [1 << 20]
+    assert bytes(received.payload) == payload and received.tokens == [5, 6, 7]
+    assert stats["kv_bytes"] == len(payload)
+
+
+def test_fetch_names_what_differs_from_the_prefill_answer(served):
+    base, bodies = served
+    header, raw = make_bundle(os.urandom(1000))
+    bodies["/kv/abc"] = raw
+    with pytest.raises(BundleError, match="checksum differs") as err:
+        handoff.fetch(KVRef(url=f"{base}/kv/abc", handle="abc", crc32c=header.payload_crc32c ^ 1), timeout=10)
+    assert err.value.field == "kv.crc32c"
+    with pytest.raises(NotFound, match="unknown KV handle") as err:
+        handoff.fetch(KVRef(url=f"{base}/kv/gone", handle="gone"), timeout=10)
+    assert err.value.field == "kv.handle"
