@@ -31,7 +31,7 @@ from .errors import BundleError, LeaseExpired, NotFound, UpstreamError, Upstream
 
 @functools.cache
 def receive_buffer_limit() -> int | None:
-    """The largest receive buffer a socket may ask for (Linux ``net.core.rmem_max``); None elsewhere."""
+    """The largest receive buffer a socket may ask for (Linux ``net.core.rmem_max``, read once); None elsewhere."""
     if not sys.platform.startswith("linux"):
         return None  # macOS and others: leave buffer sizing to the kernel's autotuning
     try:
