@@ -86,19 +86,24 @@ def loopback_gbps(total_bytes: int = 1 << 30, chunk: int = 1 << 20) -> float:
     return _loopback([data] * (total_bytes // chunk), total_bytes // chunk * chunk, lambda received: view)
 
 
+def _faulted_pair(total_bytes: int) -> tuple[memoryview, memoryview]:
+    """Two buffers of ``total_bytes``, every page already faulted in, as the handoff's buffers are."""
+    source, sink = memoryview(buffers.allocate(total_bytes)), memoryview(buffers.allocate(total_bytes))
+    source[:] = sink[:] = b"\1" * total_bytes
+    return source, sink
+
+
 def loopback_bulk_gbps(total_bytes: int = 64 << 20, chunk: int = 1 << 20) -> float:
     """Loopback TCP moving ``total_bytes`` from one buffer into another, both far larger than the
     CPU caches, as a KV transfer must (``loopback_gbps`` resends one cache-hot chunk)."""
-    source, sink = memoryview(buffers.allocate(total_bytes)), memoryview(buffers.allocate(total_bytes))
-    source[:] = sink[:] = b"\1" * total_bytes  # fault every page in before timing
+    source, sink = _faulted_pair(total_bytes)
     pieces = (source[start:start + chunk] for start in range(0, total_bytes, chunk))
     return _loopback(pieces, total_bytes, lambda received: sink[received:received + chunk])
 
 
 def memory_copy_gbps(total_bytes: int = 64 << 20) -> float:
     """One thread copying ``total_bytes`` between two buffers larger than the CPU caches, in Gb/s."""
-    source, sink = buffers.allocate(total_bytes), buffers.allocate(total_bytes)
-    source[:] = sink[:] = b"\1" * total_bytes  # fault every page in before timing
+    source, sink = _faulted_pair(total_bytes)
     src = ctypes.addressof((ctypes.c_char * total_bytes).from_buffer(source))
     dst = ctypes.addressof((ctypes.c_char * total_bytes).from_buffer(sink))
     started = time.perf_counter()

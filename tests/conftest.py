@@ -7,6 +7,8 @@ The cluster runs the two packaged models (SmolLM2 as "qwen", Gemma 3 270M as
 from __future__ import annotations
 
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -54,3 +56,38 @@ def qwen_decode(urls):
 def http():
     with requests.Session() as session:
         yield session
+
+
+@pytest.fixture(scope="module")
+def bytes_server():
+    """A stand-in prefill server on a free loopback port that serves whatever bytes a test sets.
+
+    ``serve(path, data, status=200)`` makes GET ``path`` answer ``data`` with ``status`` and
+    returns its URL; any other path answers 404 with no body.
+    """
+    served = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            status, body = served.get(self.path, (404, b""))
+            self.send_response(status)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+
+    def serve(path: str, data: bytes, status: int = 200) -> str:
+        served[path] = (status, data)
+        return base + path
+
+    yield serve
+    server.shutdown()
+    server.server_close()

@@ -2,44 +2,12 @@
 from __future__ import annotations
 
 import io
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from disaggregated_inference import bundle
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def bytes_server():
-    """A stand-in prefill server on a free loopback port that serves whatever bytes a test sets."""
-    served = {}
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = served.get(self.path, b"")
-            self.send_response(200 if self.path in served else 404)
-            self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{server.server_address[1]}"
-
-    def serve(path: str, data: bytes) -> str:
-        served[path] = data
-        return base + path
-
-    yield serve
-    server.shutdown()
 
 
 @pytest.fixture()

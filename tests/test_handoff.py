@@ -1,9 +1,7 @@
 """The decode side's pull of a bundle (``handoff.fetch``) against a plain local HTTP server."""
-import http.server
 import os
 import socket
 import sys
-import threading
 
 import pytest
 
@@ -12,34 +10,6 @@ from disaggregated_inference.api import KVRef
 from disaggregated_inference.errors import BundleError, NotFound
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sizes the buffer on Linux only")
-
-
-@pytest.fixture()
-def served():
-    """A one-route HTTP server answering GET with whatever bytes the test puts in ``bodies``."""
-    bodies: dict = {}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            if self.path not in bodies:
-                self.send_response(404)
-                body = b'{"error": "unknown KV handle"}'
-            else:
-                self.send_response(200)
-                body = bodies[self.path]
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", bodies
-    server.shutdown()
-    server.server_close()
 
 
 def make_bundle(payload: bytes, tokens=(5, 6, 7)):
@@ -101,28 +71,27 @@ def test_the_limit_is_read_from_the_kernel_on_linux_and_not_guessed_elsewhere(mo
         handoff.receive_buffer_limit.cache_clear()
 
 
-def test_fetch_sizes_its_socket_and_returns_the_verified_bundle(served, monkeypatch):
-    base, bodies = served
+def test_fetch_sizes_its_socket_and_returns_the_verified_bundle(bytes_server, monkeypatch):
     payload = os.urandom(300_000)
     header, raw = make_bundle(payload)
-    bodies["/kv/abc"] = raw
+    url = bytes_server("/kv/abc", raw)
     asked = []
     real = handoff.size_receive_buffer
     monkeypatch.setattr(handoff, "size_receive_buffer", lambda sock, size: asked.append(size) or real(sock, size))
-    ref = KVRef(url=f"{base}/kv/abc", handle="abc", bytes=len(payload), crc32c=header.payload_crc32c)
+    ref = KVRef(url=url, handle="abc", bytes=len(payload), crc32c=header.payload_crc32c)
     received, stats = handoff.fetch(ref, timeout=10, socket_buffer=1 << 20)
     assert asked == [1 << 20]
     assert bytes(received.payload) == payload and received.tokens == [5, 6, 7]
     assert stats["kv_bytes"] == len(payload)
 
 
-def test_fetch_names_what_differs_from_the_prefill_answer(served):
-    base, bodies = served
+def test_fetch_names_what_differs_from_the_prefill_answer(bytes_server):
     header, raw = make_bundle(os.urandom(1000))
-    bodies["/kv/abc"] = raw
+    url = bytes_server("/kv/abc", raw)
     with pytest.raises(BundleError, match="checksum differs") as err:
-        handoff.fetch(KVRef(url=f"{base}/kv/abc", handle="abc", crc32c=header.payload_crc32c ^ 1), timeout=10)
+        handoff.fetch(KVRef(url=url, handle="abc", crc32c=header.payload_crc32c ^ 1), timeout=10)
     assert err.value.field == "kv.crc32c"
+    gone = bytes_server("/kv/gone", b'{"error": "unknown KV handle"}', status=404)
     with pytest.raises(NotFound, match="unknown KV handle") as err:
-        handoff.fetch(KVRef(url=f"{base}/kv/gone", handle="gone"), timeout=10)
+        handoff.fetch(KVRef(url=gone, handle="gone"), timeout=10)
     assert err.value.field == "kv.handle"
