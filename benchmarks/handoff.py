@@ -22,7 +22,9 @@ gunicorn servers on loopback:
   (``memmove``), the speed limit of the export and the import, which are copies;
 - ``memory``: peak Python-traced memory of each side of the handoff, in KV
   copies, measured in this process with the servers' own code paths
-  (tracemalloc for Python allocations plus the mapped buffers of buffers.py).
+  (tracemalloc for Python allocations plus the mapped buffers of buffers.py);
+- ``machine.non_temporal_copy_bytes``: the copy threshold the prefill server
+  runs with (its ``/health``; launch.py), null for glibc's own.
 
     .venv/bin/python benchmarks/handoff.py --json
 """
@@ -227,6 +229,7 @@ def main(argv=None) -> int:
         args.decode = cluster.process("local-decode-qwen").url
     try:
         http = requests.Session()
+        copy_threshold = http.get(f"{args.prefill}/health").json().get("non_temporal_copy_bytes")
         calib = http.post(f"{args.prefill}/prefill", json={"prompt": FILLER * 20 + QUESTION}).json()
         http.delete(calib["kv"]["url"])
         per_repeat = (calib["prompt_tokens"] - 30) / 20
@@ -258,7 +261,8 @@ def main(argv=None) -> int:
             cluster.stop()
     out = {"loopback_gbps": round(statistics.median(loopback), 3), "loopback_bulk_gbps": round(bulk, 3),
            "memory_copy_gbps": round(memory_copy, 3), "results": results, "memory": memory,
-           "machine": {"cpus": __import__("os").cpu_count(), "threads_per_server": args.threads}}
+           "machine": {"cpus": __import__("os").cpu_count(), "threads_per_server": args.threads,
+                       "non_temporal_copy_bytes": copy_threshold}}
     if args.json:
         print(json.dumps(out))
     else:

@@ -158,6 +158,7 @@ def cmd_serve(args) -> int:
     """Run one server in the foreground under gunicorn (what systemd units call)."""
     from .settings import ServerSettings, from_cluster
     from .backends.base import ModelSettings
+    from .launch import server_command
 
     if args.server:
         cfg = cluster_config.load(args.config)
@@ -173,9 +174,7 @@ def cmd_serve(args) -> int:
         bind = args.bind or f"0.0.0.0:{8000 if args.role == 'prefill' else 8001}"
     if os.environ.get("DISAGG_API_TOKEN"):  # e.g. from a systemd EnvironmentFile; beats the config file
         settings = replace(settings, api_token=os.environ["DISAGG_API_TOKEN"])
-    env = dict(os.environ, DISAGG_SERVER_SETTINGS=settings.to_json(), DISAGG_BIND=bind,
-               DISAGG_PROC_NAME=f"disagg-{settings.name}")
-    cmd = [sys.executable, "-m", "gunicorn", "-c", "python:disaggregated_inference.gunicorn_conf"]
+    cmd, env = server_command(settings, bind)
     _say(f"serving {settings.role} '{settings.name}' ({settings.model.backend}:{settings.model.model}) on {bind}")
     os.execvpe(cmd[0], cmd, env)
     return 0  # not reached

@@ -13,7 +13,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -23,6 +22,7 @@ import requests
 
 from . import config as cluster_config
 from .errors import ConfigError, DisaggError
+from .launch import server_command
 from .settings import from_cluster
 
 
@@ -40,16 +40,11 @@ class ServerProcess:
         return self.entry.url
 
     def start(self, extra_env: dict | None = None) -> None:
-        env = dict(os.environ)
-        env.update(extra_env or {})
-        env["DISAGG_SERVER_SETTINGS"] = self.settings.to_json()
-        env["DISAGG_BIND"] = f"fd://{self.sock.fileno()}"
-        env["DISAGG_PROC_NAME"] = f"disagg-{self.entry.name}"
+        cmd, env = server_command(self.settings, f"fd://{self.sock.fileno()}", {**os.environ, **(extra_env or {})})
         env.setdefault("PYTHONUNBUFFERED", "1")
         # Several servers share this machine's cores: idle OpenMP threads must sleep, not spin.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         log = open(self.log_path, "ab")
-        cmd = [sys.executable, "-m", "gunicorn", "-c", "python:disaggregated_inference.gunicorn_conf"]
         self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                      pass_fds=(self.sock.fileno(),), start_new_session=True)
         log.close()

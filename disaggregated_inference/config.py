@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError
+from .launch import MIN_NON_TEMPORAL_BYTES
 
 DEFAULT_CONFIG_FILE = "config_current.json"
 
@@ -55,6 +56,7 @@ SERVER_DEFAULTS = {
     "slow_transfer_seconds": 1.0,
     "kv_buffer_idle_seconds": 300.0,
     "kv_socket_buffer_bytes": 4 << 20,
+    "non_temporal_copy_bytes": 256 << 10,
     "max_kv_bytes": 64 << 30,
     "api_token": None,
     "threads": 8,
@@ -176,6 +178,10 @@ def from_dict(data: dict, source: str = "<dict>") -> ClusterConfig:
 
     client = _with_defaults(data.get("client", {}), CLIENT_DEFAULTS, "client", source)
     server = _with_defaults(data.get("server", {}), SERVER_DEFAULTS, "server", source)
+    if server["non_temporal_copy_bytes"] and not server["non_temporal_copy_bytes"] >= MIN_NON_TEMPORAL_BYTES:
+        raise ConfigError(f"{source}: server.non_temporal_copy_bytes must be 0 (glibc's default) or at least "
+                          f"{MIN_NON_TEMPORAL_BYTES}, got {server['non_temporal_copy_bytes']}",
+                          field="server.non_temporal_copy_bytes")
 
     entries = {"prefill": [], "decode": []}
     seen = set()

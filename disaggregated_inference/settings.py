@@ -30,6 +30,7 @@ class ServerSettings:
     slow_transfer_seconds: float = 1.0
     kv_buffer_idle_seconds: float = 300.0  # decode: how long a freed receive buffer is kept warm
     kv_socket_buffer_bytes: int = 4 << 20  # decode: the KV pull's socket receive buffer; 0 = the kernel's
+    non_temporal_copy_bytes: int = 256 << 10  # copies this large bypass the CPU cache (launch.py); 0 = glibc's
     max_kv_bytes: int = 64 << 30
     api_token: str | None = None
     data_url: str | None = None  # base URL peers use to fetch KV from this server
@@ -70,6 +71,7 @@ def from_cluster(cfg: cluster_config.ClusterConfig, server_name: str) -> ServerS
         slow_transfer_seconds=float(server["slow_transfer_seconds"]),
         kv_buffer_idle_seconds=float(server["kv_buffer_idle_seconds"]),
         kv_socket_buffer_bytes=int(server["kv_socket_buffer_bytes"]),
+        non_temporal_copy_bytes=int(server["non_temporal_copy_bytes"]),
         max_kv_bytes=int(server["max_kv_bytes"]), api_token=server.get("api_token"),
         data_url=entry.data_url, aliases=tuple(cfg.models[entry.model].get("aliases", ())),
     )

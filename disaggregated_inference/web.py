@@ -18,6 +18,7 @@ from werkzeug.exceptions import HTTPException
 from . import __version__, backends
 from .errors import BadRequest, DisaggError, ModelNotFound, Unauthorized
 from .handoff import socket_buffer_in_effect
+from .launch import copy_tunable_in_effect
 from .metrics import ServerMetrics
 from .owner import ModelOwner
 from .settings import ServerSettings
@@ -115,6 +116,7 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
             "busy": owner.busy,
             "queued": owner.queued,
             "uptime_s": round(time.time() - st.started_at, 1),
+            "non_temporal_copy_bytes": copy_tunable_in_effect(),
             "version": __version__,
         }
         if owner.ready:

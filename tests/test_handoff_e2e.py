@@ -16,6 +16,7 @@ import requests
 
 from disaggregated_inference import bundle
 from disaggregated_inference import handoff as handoff_module
+from disaggregated_inference import launch
 from disaggregated_inference.backends import ModelSettings, Prompt, create
 
 from .conftest import THREADS
@@ -143,6 +144,13 @@ def test_the_decode_server_keeps_its_receive_buffer_warm_for_the_next_handoff(ht
     assert second["fresh_total"] == first["fresh_total"]
     # the pull's socket asks for the configured 4 MiB only where this kernel allows that much
     assert second["socket_buffer_bytes"] == handoff_module.socket_buffer_in_effect(4 << 20)
+
+
+def test_both_servers_run_with_large_copies_bypassing_the_cache(http, qwen_prefill, qwen_decode):
+    # the cluster starts them with glibc's non-temporal threshold at the configured 256 KiB (launch.py)
+    expected = 256 << 10 if launch.glibc_on_x86() else None
+    for url in (qwen_prefill, qwen_decode):
+        assert http.get(f"{url}/health").json()["non_temporal_copy_bytes"] == expected
 
 
 def _rss(http, url) -> int:

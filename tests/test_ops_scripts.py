@@ -18,8 +18,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+import requests
 
 from disaggregated_inference import config as cluster_config
+from disaggregated_inference import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -418,10 +420,10 @@ def _ended(pid: int) -> bool:
 @pytest.mark.slow
 def test_start_check_and_stop_one_local_server(tmp_path):
     run_dir = tmp_path / "run"
+    port = closed_port()
     cfg = write_config(tmp_path, {
         "models": SMALL_MODEL, "decode_servers": [],
-        "prefill_servers": [{"name": "ops-test-prefill", "host": "127.0.0.1", "port": closed_port(),
-                             "model": "qwen"}]})
+        "prefill_servers": [{"name": "ops-test-prefill", "host": "127.0.0.1", "port": port, "model": "qwen"}]})
     pidfile = run_dir / "ops-test-prefill.pid"
     try:
         started = run("start_prefill_servers.sh", "--config", cfg, "--run-dir", run_dir, "--timeout", "240",
@@ -434,6 +436,9 @@ def test_start_check_and_stop_one_local_server(tmp_path):
         status = run("check_status.py", "--config", cfg)
         assert status.returncode == 0, status.stdout + status.stderr
         assert "ops-test-prefill" in status.stdout and " up " in status.stdout
+        # started by `disagg serve`, as the systemd unit does, with glibc's copy threshold (launch.py)
+        health = requests.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
+        assert health["non_temporal_copy_bytes"] == (256 << 10 if launch.glibc_on_x86() else None)
 
         again = run("start_prefill_servers.sh", "--config", cfg, "--run-dir", run_dir)
         assert again.returncode == 0 and f"already running (pid {pid})" in again.stderr

@@ -1,0 +1,71 @@
+"""How a server process is started: the gunicorn command line and its environment.
+
+``disagg serve`` (what the systemd and launchd units run) and ``disagg up``
+(the local cluster) both start servers through ``server_command``, so a server
+runs the same way under either.
+
+**Large copies bypass the CPU cache.** The KV export and import are llama.cpp
+copying a prompt's KV between its cache tensors and a buffer, one ``memcpy``
+per layer for keys and one for values (770 KB each at 2k tokens of SmolLM2,
+megabytes in production). glibc's x86 ``memcpy`` stores non-temporally only
+from a threshold sized from the L3 cache (41 MiB on the development machine),
+so each of these copies first reads every cache line it is about to overwrite
+and leaves 46 MB of the KV evicting everything else from the caches: the copies
+ran at about 60% of the speed of one large copy. Setting glibc's
+``x86_non_temporal_threshold`` tunable to ``non_temporal_copy_bytes`` (default
+256 KiB) made both about a quarter faster there (docs/benchmarks.md).
+The dynamic loader reads ``GLIBC_TUNABLES`` only when a process starts, so it
+is set here, in the server's environment. It applies to glibc on x86-64 Linux
+only; elsewhere (macOS, ARM) nothing is set. An operator's own setting of the
+same tunable in ``GLIBC_TUNABLES`` wins.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+TUNABLES = "GLIBC_TUNABLES"
+NON_TEMPORAL = "glibc.cpu.x86_non_temporal_threshold"
+MIN_NON_TEMPORAL_BYTES = 0x4040  # glibc ignores a smaller threshold
+
+
+def server_command(settings, bind: str, environ=None) -> tuple[list[str], dict]:
+    """The command line and environment that run one server (``settings``: a ServerSettings) on ``bind``."""
+    env = dict(os.environ if environ is None else environ)
+    env.update(DISAGG_SERVER_SETTINGS=settings.to_json(), DISAGG_BIND=bind, DISAGG_PROC_NAME=f"disagg-{settings.name}")
+    env = with_copy_tunable(env, settings.non_temporal_copy_bytes)
+    return [sys.executable, "-m", "gunicorn", "-c", "python:disaggregated_inference.gunicorn_conf"], env
+
+
+def glibc_on_x86() -> bool:
+    try:
+        libc = os.confstr("CS_GNU_LIBC_VERSION") or ""
+    except (ValueError, OSError):  # no such name outside glibc
+        return False
+    return libc.startswith("glibc") and platform.machine().lower() in ("x86_64", "amd64")
+
+
+def with_copy_tunable(environ: dict, threshold: int) -> dict:
+    """``environ`` with glibc told to copy ``threshold`` bytes and more with non-temporal stores.
+
+    Unchanged for a threshold of 0, off glibc on x86-64, or when
+    ``GLIBC_TUNABLES`` already names the tunable; other tunables are kept.
+    """
+    current = environ.get(TUNABLES, "")
+    if not threshold or not glibc_on_x86() or NON_TEMPORAL + "=" in current:
+        return environ
+    setting = f"{NON_TEMPORAL}={threshold}"
+    return {**environ, TUNABLES: f"{current}:{setting}" if current else setting}
+
+
+def copy_tunable_in_effect(environ=None) -> int | None:
+    """The non-temporal copy threshold this process was started with; None for glibc's own."""
+    for item in (os.environ if environ is None else environ).get(TUNABLES, "").split(":"):
+        name, _, value = item.partition("=")
+        if name == NON_TEMPORAL:
+            try:
+                return int(value, 0)
+            except ValueError:
+                return None
+    return None

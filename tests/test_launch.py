@@ -1,0 +1,95 @@
+"""How server processes are started (``launch.py``): the command, its environment, glibc's copy tunable."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from disaggregated_inference import config as cluster_config
+from disaggregated_inference import launch
+from disaggregated_inference.errors import ConfigError
+from disaggregated_inference.settings import ServerSettings, from_cluster
+
+SETTING = f"{launch.NON_TEMPORAL}=262144"
+
+
+@pytest.fixture
+def glibc_x86(monkeypatch):
+    monkeypatch.setattr(launch, "glibc_on_x86", lambda: True)
+
+
+def test_the_copy_tunable_is_added_to_the_environment(glibc_x86):
+    env = launch.with_copy_tunable({"PATH": "/bin"}, 256 << 10)
+    assert env == {"PATH": "/bin", "GLIBC_TUNABLES": SETTING}
+
+
+def test_other_tunables_are_kept(glibc_x86):
+    env = launch.with_copy_tunable({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, 256 << 10)
+    assert env["GLIBC_TUNABLES"] == f"glibc.malloc.hugetlb=1:{SETTING}"
+
+
+def test_the_operators_own_threshold_wins(glibc_x86):
+    mine = {"GLIBC_TUNABLES": f"{launch.NON_TEMPORAL}=0x100000"}
+    assert launch.with_copy_tunable(mine, 256 << 10) == mine
+
+
+def test_nothing_is_set_for_zero_or_off_glibc_x86(monkeypatch):
+    monkeypatch.setattr(launch, "glibc_on_x86", lambda: True)
+    assert launch.with_copy_tunable({}, 0) == {}
+    monkeypatch.setattr(launch, "glibc_on_x86", lambda: False)  # macOS, ARM, musl
+    assert launch.with_copy_tunable({}, 256 << 10) == {}
+
+
+def test_the_threshold_in_effect_is_read_back():
+    assert launch.copy_tunable_in_effect({"GLIBC_TUNABLES": f"glibc.malloc.hugetlb=1:{SETTING}"}) == 256 << 10
+    assert launch.copy_tunable_in_effect({"GLIBC_TUNABLES": f"{launch.NON_TEMPORAL}=0x40000"}) == 256 << 10
+    assert launch.copy_tunable_in_effect({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}) is None
+    assert launch.copy_tunable_in_effect({}) is None
+
+
+def _dynamic_loader() -> str | None:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if "/ld-linux-x86-64.so" in path:
+                return path
+    return None
+
+
+@pytest.mark.skipif(not launch.glibc_on_x86(), reason="the tunable exists in glibc on x86-64 only")
+def test_glibc_takes_the_threshold_from_the_environment_we_build():
+    """The dynamic loader itself reports the tunable's value for a process started with our environment."""
+    loader = _dynamic_loader()
+    assert loader, "a glibc x86-64 Python maps ld-linux-x86-64.so"
+    env = launch.with_copy_tunable({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, 256 << 10)
+    out = subprocess.run([loader, "--list-tunables"], env=env, capture_output=True, text=True, check=True).stdout
+    line = next(item for item in out.splitlines() if item.startswith(launch.NON_TEMPORAL + ":"))
+    assert line.split()[1] == hex(256 << 10)
+    default = subprocess.run([loader, "--list-tunables"], env={}, capture_output=True, text=True, check=True).stdout
+    assert f"{launch.NON_TEMPORAL}: {hex(256 << 10)} " not in default  # glibc's own is sized from the L3 cache
+
+
+def test_the_server_command_runs_gunicorn_with_the_settings(glibc_x86):
+    settings = ServerSettings(role="decode", name="decode-a", non_temporal_copy_bytes=1 << 20)
+    cmd, env = launch.server_command(settings, "127.0.0.1:9001", {"HOME": "/home/x"})
+    assert cmd == [sys.executable, "-m", "gunicorn", "-c", "python:disaggregated_inference.gunicorn_conf"]
+    assert env["HOME"] == "/home/x" and env["DISAGG_BIND"] == "127.0.0.1:9001"
+    assert env["DISAGG_PROC_NAME"] == "disagg-decode-a"
+    assert json.loads(env["DISAGG_SERVER_SETTINGS"])["role"] == "decode"
+    assert env["GLIBC_TUNABLES"] == f"{launch.NON_TEMPORAL}={1 << 20}"
+
+
+def _config(**server):
+    return {"server": server, "prefill_servers": [{"host": "127.0.0.1", "port": 8000, "model": "smollm2"}],
+            "decode_servers": [{"host": "127.0.0.1", "port": 8001, "model": "smollm2"}],
+            "models": {"smollm2": {}}}
+
+
+def test_the_config_sets_the_threshold_and_checks_it():
+    cfg = cluster_config.from_dict(_config())
+    assert from_cluster(cfg, cfg.prefill_servers[0].name).non_temporal_copy_bytes == 256 << 10
+    cfg = cluster_config.from_dict(_config(non_temporal_copy_bytes=0))
+    assert from_cluster(cfg, cfg.decode_servers[0].name).non_temporal_copy_bytes == 0
+    with pytest.raises(ConfigError) as err:
+        cluster_config.from_dict(_config(non_temporal_copy_bytes=4096))
+    assert err.value.field == "server.non_temporal_copy_bytes" and "16448" in str(err.value)
