@@ -178,7 +178,7 @@ def from_dict(data: dict, source: str = "<dict>") -> ClusterConfig:
 
     client = _with_defaults(data.get("client", {}), CLIENT_DEFAULTS, "client", source)
     server = _with_defaults(data.get("server", {}), SERVER_DEFAULTS, "server", source)
-    if server["non_temporal_copy_bytes"] and not server["non_temporal_copy_bytes"] >= MIN_NON_TEMPORAL_BYTES:
+    if server["non_temporal_copy_bytes"] != 0 and server["non_temporal_copy_bytes"] < MIN_NON_TEMPORAL_BYTES:
         raise ConfigError(f"{source}: server.non_temporal_copy_bytes must be 0 (glibc's default) or at least "
                           f"{MIN_NON_TEMPORAL_BYTES}, got {server['non_temporal_copy_bytes']}",
                           field="server.non_temporal_copy_bytes")

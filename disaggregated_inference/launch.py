@@ -9,9 +9,8 @@ copying a prompt's KV between its cache tensors and a buffer, one ``memcpy``
 per layer for keys and one for values (770 KB each at 2k tokens of SmolLM2,
 megabytes in production). glibc's x86 ``memcpy`` stores non-temporally only
 from a threshold sized from the L3 cache (41 MiB on the development machine),
-so each of these copies first reads every cache line it is about to overwrite
-and leaves 46 MB of the KV evicting everything else from the caches: the copies
-ran at about 60% of the speed of one large copy. Setting glibc's
+so each of these copies first reads every cache line it is about to overwrite:
+they ran at about 60% of the speed of one large copy. Setting glibc's
 ``x86_non_temporal_threshold`` tunable to ``non_temporal_copy_bytes`` (default
 256 KiB) made both about a quarter faster there (docs/benchmarks.md).
 The dynamic loader reads ``GLIBC_TUNABLES`` only when a process starts, so it

@@ -90,6 +90,7 @@ def test_the_config_sets_the_threshold_and_checks_it():
     assert from_cluster(cfg, cfg.prefill_servers[0].name).non_temporal_copy_bytes == 256 << 10
     cfg = cluster_config.from_dict(_config(non_temporal_copy_bytes=0))
     assert from_cluster(cfg, cfg.decode_servers[0].name).non_temporal_copy_bytes == 0
-    with pytest.raises(ConfigError) as err:
-        cluster_config.from_dict(_config(non_temporal_copy_bytes=4096))
-    assert err.value.field == "server.non_temporal_copy_bytes" and "16448" in str(err.value)
+    for wrong in (4096, -1):
+        with pytest.raises(ConfigError) as err:
+            cluster_config.from_dict(_config(non_temporal_copy_bytes=wrong))
+        assert err.value.field == "server.non_temporal_copy_bytes" and "16448" in str(err.value)
