@@ -51,20 +51,25 @@ def with_copy_tunable(environ: dict, threshold: int) -> dict:
     Unchanged for a threshold of 0, off glibc on x86-64, or when
     ``GLIBC_TUNABLES`` already names the tunable; other tunables are kept.
     """
-    current = environ.get(TUNABLES, "")
-    if not threshold or not glibc_on_x86() or NON_TEMPORAL + "=" in current:
+    if not threshold or not glibc_on_x86() or _tunable(environ, NON_TEMPORAL) is not None:
         return environ
-    setting = f"{NON_TEMPORAL}={threshold}"
+    current, setting = environ.get(TUNABLES, ""), f"{NON_TEMPORAL}={threshold}"
     return {**environ, TUNABLES: f"{current}:{setting}" if current else setting}
 
 
 def copy_tunable_in_effect(environ=None) -> int | None:
     """The non-temporal copy threshold this process was started with; None for glibc's own."""
-    for item in (os.environ if environ is None else environ).get(TUNABLES, "").split(":"):
-        name, _, value = item.partition("=")
-        if name == NON_TEMPORAL:
-            try:
-                return int(value, 0)
-            except ValueError:
-                return None
+    value = _tunable(os.environ if environ is None else environ, NON_TEMPORAL)
+    try:
+        return None if value is None else int(value, 0)
+    except ValueError:
+        return None
+
+
+def _tunable(environ, name: str) -> str | None:
+    """The value ``GLIBC_TUNABLES`` in ``environ`` gives the tunable ``name`` (None: not given)."""
+    for item in environ.get(TUNABLES, "").split(":"):
+        key, sep, value = item.partition("=")
+        if key == name and sep:
+            return value
     return None

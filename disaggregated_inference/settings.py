@@ -61,20 +61,14 @@ class ServerSettings:
 
 
 def from_cluster(cfg: cluster_config.ClusterConfig, server_name: str) -> ServerSettings:
+    """One server's settings: its entry and model, and every key of the config's ``server`` section
+    that is a setting here, as the type of that setting's default (a config's ``30`` is ``30.0``)."""
     entry = cfg.find_server(server_name)
-    server = cfg.server
     model = ModelSettings.from_dict(entry.settings, name=entry.model)
-    return ServerSettings(
-        role=entry.role, model=model, name=entry.name,
-        lease_seconds=float(server["lease_seconds"]), queue_timeout=float(server["queue_timeout"]),
-        kv_fetch_timeout=float(server["kv_fetch_timeout"]),
-        slow_transfer_seconds=float(server["slow_transfer_seconds"]),
-        kv_buffer_idle_seconds=float(server["kv_buffer_idle_seconds"]),
-        kv_socket_buffer_bytes=int(server["kv_socket_buffer_bytes"]),
-        non_temporal_copy_bytes=int(server["non_temporal_copy_bytes"]),
-        max_kv_bytes=int(server["max_kv_bytes"]), api_token=server.get("api_token"),
-        data_url=entry.data_url, aliases=tuple(cfg.models[entry.model].get("aliases", ())),
-    )
+    limits = {f.name: cfg.server[f.name] if f.default is None else type(f.default)(cfg.server[f.name])
+              for f in fields(ServerSettings) if f.name in cfg.server}
+    return ServerSettings(role=entry.role, model=model, name=entry.name, data_url=entry.data_url,
+                          aliases=tuple(cfg.models[entry.model].get("aliases", ())), **limits)
 
 
 def resolve(override=None, role: str | None = None) -> ServerSettings:
