@@ -94,3 +94,27 @@ def test_the_config_sets_the_threshold_and_checks_it():
         with pytest.raises(ConfigError) as err:
             cluster_config.from_dict(_config(non_temporal_copy_bytes=wrong))
         assert err.value.field == "server.non_temporal_copy_bytes" and "16448" in str(err.value)
+
+
+@pytest.mark.parametrize("from_environment", [None, "env-token"])
+def test_disagg_serve_takes_the_api_token_from_the_environment_over_the_config(
+        tmp_path, monkeypatch, from_environment):
+    from disaggregated_inference import cli
+
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(_config(api_token="config-token")))
+    name = cluster_config.from_dict(_config()).prefill_servers[0].name
+    monkeypatch.delenv("DISAGG_API_TOKEN", raising=False)
+    if from_environment:
+        monkeypatch.setenv("DISAGG_API_TOKEN", from_environment)
+    started = []
+
+    def execvpe(file, argv, env):  # the real one would replace this process with gunicorn
+        started.append(env)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli.os, "execvpe", execvpe)
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--server", name, "--config", str(path)])
+    settings = json.loads(started[0]["DISAGG_SERVER_SETTINGS"])
+    assert settings["api_token"] == (from_environment or "config-token")
