@@ -7,7 +7,9 @@ gunicorn servers on loopback:
   it receives the KV (pull + import + one prompt token + one sampled token);
 - ``reprefill_ttft_s``: the same when it receives only the token ids and must
   recompute the prompt (what Ollama's ``context`` forces);
-- ``handoff_gbps``: KV bits over export (+checksum) + transfer + import time;
+- ``handoff_gbps``: KV bits over export (+checksum) + transfer + import time
+  (the decode server's ``kv_load_time``, which includes any wait for the
+  receive-side checksum that runs alongside the import);
 - ``loopback_gbps``: raw loopback TCP throughput measured in the same run
   (one Python socket pair, 256 MiB per measurement; median of three at the
   start and of one just before and one just after every handoff's transfer,

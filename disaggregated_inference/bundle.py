@@ -25,11 +25,11 @@ payload is and what produced it is written down in the header (``kind``,
 ``fingerprint``), never implied.
 
 The CRC-32C (Castagnoli, computed by the CPU's crc32 instruction at several
-GB/s, so checking never becomes the bottleneck of a transfer) guards the
-transfer against truncation and corruption; the fingerprint guards identity
-(model file digest, library version, cache types). The header carries the size
-and checksum of the payload up front so a reader can allocate once and check as
-it goes.
+GB/s, on a thread beside the receive or beside the import that follows it)
+guards the transfer against truncation and corruption; the fingerprint guards
+identity (model file digest, library version, cache types). The header carries
+the size and checksum of the payload up front so a reader can allocate once and
+check as it goes.
 """
 from __future__ import annotations
 
@@ -244,18 +244,24 @@ def write_bundle(out: BinaryIO, header: BundleHeader, tokens, payload, chunk_siz
 
 
 class _RunningChecksum:
-    """CRC-32C of frames in order; for large payloads computed on a second thread, so that
-    checking frame i overlaps receiving frame i+1 (the checksum releases the GIL)."""
+    """CRC-32C of a payload's pieces, in order, as they arrive.
+
+    Small payloads are checked on the receiving thread. Large ones on a thread of
+    their own, which either runs ``alongside`` the receive (checking piece i while
+    piece i+1 arrives: free when the wire sets the pace, as from another machine)
+    or starts once the last byte is in (``arrived``) and overlaps whatever the
+    receiver does next: when sender and receiver share a machine, the transfer
+    is a memory-bound copy using every core, and a checksum beside it slows it.
+    """
 
     THREADED_FROM = 8 << 20
 
-    def __init__(self, total: int):
+    def __init__(self, total: int, alongside: bool = True):
         self.value = 0
-        self._queue = None
-        if total >= self.THREADED_FROM:
-            self._queue = queue.SimpleQueue()
-            self._worker = threading.Thread(target=self._run, name="bundle-checksum", daemon=True)
-            self._worker.start()
+        self._queue = queue.SimpleQueue() if total >= self.THREADED_FROM else None
+        self._worker = None
+        if self._queue is not None and alongside:
+            self.arrived()
 
     def _run(self) -> None:
         while (piece := self._queue.get()) is not None:
@@ -267,11 +273,43 @@ class _RunningChecksum:
         else:
             self._queue.put(piece)
 
+    def arrived(self) -> None:
+        """Start the checksum thread if it is not running yet (the pieces it holds are all in)."""
+        if self._queue is not None and self._worker is None:
+            self._worker = threading.Thread(target=self._run, name="bundle-checksum", daemon=True)
+            self._worker.start()
+
     def result(self) -> int:
+        """The checksum of everything fed, once it is computed (the thread is done with the buffer then)."""
         if self._queue is not None:
+            self.arrived()
             self._queue.put(None)
             self._worker.join()
+            self._queue = None
         return self.value
+
+
+@dataclass
+class Arrived:
+    """A bundle whose bytes have all arrived and whose payload checksum may still be running.
+
+    ``check()`` waits for it and raises ``BundleFormatError`` on a mismatch; use
+    nothing computed from the payload before it returns. Call it from one thread.
+    """
+
+    header: BundleHeader
+    tokens: list
+    payload: object
+    _checksum: _RunningChecksum = field(repr=False)
+    _declared: int = field(repr=False)
+
+    def check(self) -> None:
+        crc = self._checksum.result()
+        if crc != self.header.payload_crc32c or crc != self._declared:
+            raise BundleFormatError(
+                f"bundle payload checksum mismatch: computed CRC-32C {crc:08x}, "
+                f"header {self.header.payload_crc32c:08x}, end marker {self._declared:08x}"
+            )
 
 
 def _read_exact(src: BinaryIO, n: int, what: str) -> bytes:
@@ -311,11 +349,22 @@ def read_preamble(src: BinaryIO) -> tuple[BundleHeader, list[int]]:
 
 def read_bundle(src: BinaryIO, max_payload_bytes: int | None = None,
                 allocate: Callable[[int], object] = bytearray) -> tuple[BundleHeader, list[int], object]:
-    """Read one bundle; return its header, token ids and payload.
+    """Read one bundle and check it; return its header, token ids and payload."""
+    arrived = receive_bundle(src, max_payload_bytes, allocate)
+    arrived.check()
+    return arrived.header, arrived.tokens, arrived.payload
+
+
+def receive_bundle(src: BinaryIO, max_payload_bytes: int | None = None,
+                   allocate: Callable[[int], object] = bytearray, checksum_alongside: bool = True) -> Arrived:
+    """Read one bundle; return it as soon as its last byte is in, its checksum perhaps still running.
 
     The payload is read straight into one buffer from ``allocate(size)`` (the
-    only full copy made on the receiving side) and its CRC-32C is checked, frame
-    by frame, against both the header and the end marker.
+    only full copy made on the receiving side). Its CRC-32C is computed as the
+    pieces arrive, or from ``checksum_alongside=False`` only once all have (see
+    ``_RunningChecksum``), and ``Arrived.check`` compares it with both the
+    header and the end marker. Everything else (framing, sizes, truncation) is
+    checked here.
     """
     header, tokens = read_preamble(src)
     if max_payload_bytes is not None and header.payload_bytes > max_payload_bytes:
@@ -323,18 +372,14 @@ def read_bundle(src: BinaryIO, max_payload_bytes: int | None = None,
             f"bundle payload of {header.payload_bytes} bytes exceeds the limit of {max_payload_bytes}"
         )
     payload = allocate(header.payload_bytes)
-    view = memoryview(payload)
-    checksum = _RunningChecksum(header.payload_bytes)
+    checksum = _RunningChecksum(header.payload_bytes, alongside=checksum_alongside)
     try:
-        declared = _read_frames(src, view, checksum)
-    finally:
-        crc = checksum.result()
-    if crc != header.payload_crc32c or crc != declared:
-        raise BundleFormatError(
-            f"bundle payload checksum mismatch: computed CRC-32C {crc:08x}, "
-            f"header {header.payload_crc32c:08x}, end marker {declared:08x}"
-        )
-    return header, tokens, payload
+        declared = _read_frames(src, memoryview(payload), checksum)
+    except BaseException:
+        checksum.result()  # the thread lets go of the buffer before the caller sees the error
+        raise
+    checksum.arrived()
+    return Arrived(header, tokens, payload, checksum, declared)
 
 
 def _read_frames(src: BinaryIO, view: memoryview, checksum: _RunningChecksum) -> int:

@@ -7,6 +7,8 @@ from the prefill server, or bare token ids, recomputed); ``POST /generate``
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import time
 from functools import partial
@@ -26,11 +28,17 @@ log = logging.getLogger(__name__)
 
 
 def _decode_job(received, sampling, pool, backend, cancelled):
-    """Runs on the model thread; gives the receive buffer back once the backend is done with it."""
-    buffer = received.payload
+    """Runs on the model thread. Nothing it yields leaves before the payload has passed its
+    checksum (backends check right after importing; this holds for every backend), and the
+    receive buffer goes back to the pool once neither the backend nor the checksum reads it."""
+    buffer, verify = received.payload, received.verify
     try:
-        yield from backend.decode(received, sampling, cancelled)
+        for event in backend.decode(received, sampling, cancelled):
+            verify()  # returns at once after the first time
+            yield event
     finally:
+        with contextlib.suppress(DisaggError):  # an error already on its way wins
+            verify()
         pool.give(buffer)
 
 
@@ -38,7 +46,10 @@ def run_events(events, received_at: float, extra: dict, stream: bool, observe=la
     """Turn a backend's event stream into the JSON or NDJSON answer.
 
     ``ttft`` is measured here, from the moment the request arrived to the first
-    token, so it includes KV transfer, queueing and import.
+    token, so it includes KV transfer, queueing and import. A stream's answer
+    starts with its first event: whatever fails before it (a KV that fails its
+    checksum, a prompt too long for the context) is answered with its status
+    code, and only what fails later becomes the stream's last line.
     """
     def finish(metrics: dict, first_at: float | None) -> dict:
         out = {**extra, **metrics}
@@ -59,15 +70,18 @@ def run_events(events, received_at: float, extra: dict, stream: bool, observe=la
         return web.json_response({"generated_text": "".join(pieces), "finish_reason": metrics.pop("finish_reason", None),
                                   "metrics": metrics})
 
+    head = next(events, None)  # errors before the first event propagate from here
+    head_at = time.perf_counter()
+
     def lines():
         first_at = None
         try:
-            for event in events:
+            for event in itertools.chain([head] if head is not None else [], events):
                 if event.done:
                     metrics = finish(event.metrics, first_at)
                     yield {"done": True, "finish_reason": metrics.pop("finish_reason", None), "metrics": metrics}
                 else:
-                    first_at = first_at or time.perf_counter()
+                    first_at = first_at or (head_at if event is head else time.perf_counter())
                     yield {"text": event.piece, "done": False}
         except DisaggError as exc:
             yield {**exc.to_dict(), "done": True}

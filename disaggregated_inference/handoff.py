@@ -6,6 +6,13 @@ rather than ``requests``: its ``readinto`` receives straight into our buffer
 (urllib3's reads into a temporary bytes object and copies). Every failure maps
 to one error of ``errors.py`` that names the problem.
 
+The payload's checksum runs on a thread of its own and may still be finishing
+when ``fetch`` returns; ``Received.verify`` waits for it (the backend calls it
+after the import, which it overlaps). From another machine it is computed as
+the bytes arrive; from this one (``same_host``: the local cluster) only after
+the last byte, since a loopback transfer is a copy that keeps every core and
+the memory bus busy, and a checksum beside it would slow it down.
+
 Each pull opens a fresh connection, whose kernel receive buffer would start
 small (128 KiB) and grow only as the transfer proceeds; on Linux the socket is
 given a fixed receive buffer up front (``socket_buffer``) when the kernel allows
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import http.client
+import ipaddress
 import json
 import socket
 import sys
@@ -59,6 +67,18 @@ def size_receive_buffer(sock: socket.socket, size: int) -> bool:
     return True
 
 
+def same_host(sock: socket.socket) -> bool:
+    """Whether a connected socket's peer is this machine (a loopback address, or the socket's own)."""
+    try:
+        peer, own = sock.getpeername()[0], sock.getsockname()[0]
+    except (OSError, IndexError, TypeError):
+        return False
+    try:
+        return peer == own or ipaddress.ip_address(peer.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
 def _connect(url, connect_timeout: float, timeout: float, socket_buffer: int = 0) -> http.client.HTTPConnection:
     cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
     conn = cls(url.hostname, url.port, timeout=connect_timeout)
@@ -79,13 +99,15 @@ def fetch(ref: KVRef, *, timeout: float, connect_timeout: float = 3.0, api_token
     conn = None
     try:
         conn = _connect(url, connect_timeout, timeout, socket_buffer)
+        alongside = not same_host(conn.sock)
         conn.request("GET", path, headers=headers)
         resp = conn.getresponse()
         if resp.status != 200:
             _raise_for_status(resp.status, resp.read(65536), ref)
-        header, tokens, payload = bundle.read_bundle(resp, max_payload_bytes=max_bytes, allocate=allocate)
+        arrived = bundle.receive_bundle(resp, max_payload_bytes=max_bytes, allocate=allocate,
+                                        checksum_alongside=alongside)
     except bundle.BundleFormatError as exc:
-        raise BundleError(f"KV bundle from {ref.url} is unusable: {exc}", field="kv") from None
+        raise _unusable(ref, exc) from None
     except bundle.BundleRemoteError as exc:
         raise UpstreamError(str(exc), field="kv") from None
     except (socket.timeout, TimeoutError):
@@ -97,18 +119,31 @@ def fetch(ref: KVRef, *, timeout: float, connect_timeout: float = 3.0, api_token
         if conn is not None:
             conn.close()
     elapsed = time.perf_counter() - started
+    header = arrived.header
     if ref.bytes is not None and ref.bytes != header.payload_bytes:
         raise BundleError(f"KV bundle has {header.payload_bytes} bytes but the prefill answer said {ref.bytes}",
                           field="kv.bytes")
     if ref.crc32c is not None and ref.crc32c != header.payload_crc32c:
         raise BundleError("KV bundle checksum differs from the one the prefill answer gave", field="kv.crc32c")
-    received = Received(header.kind, tokens, payload, header.fingerprint, header.meta)
+    received = Received(header.kind, arrived.tokens, arrived.payload, header.fingerprint, header.meta,
+                        verify=functools.partial(_verify, arrived, ref))
     stats = {
         "kv_bytes": header.payload_bytes,
         "kv_transfer_time": round(elapsed, 6),
         "kv_transfer_gbps": round(header.payload_bytes * 8 / elapsed / 1e9, 3) if elapsed > 0 else None,
     }
     return received, stats
+
+
+def _unusable(ref: KVRef, exc: bundle.BundleFormatError) -> BundleError:
+    return BundleError(f"KV bundle from {ref.url} is unusable: {exc}", field="kv")
+
+
+def _verify(arrived: bundle.Arrived, ref: KVRef) -> None:
+    try:
+        arrived.check()
+    except bundle.BundleFormatError as exc:
+        raise _unusable(ref, exc) from None
 
 
 def _raise_for_status(status: int, raw: bytes, ref: KVRef) -> None:

@@ -86,6 +86,24 @@ def test_corrupted_kv_bytes(http, qwen_prefill, qwen_decode, bytes_server, still
     assert "checksum mismatch" in body["error"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_corrupted_large_kv_is_refused_after_its_import_and_no_text_leaves(
+        http, qwen_prefill, qwen_decode, bytes_server, stream, still_serves):
+    """From 8 MiB up the checksum finishes alongside the import: a flipped byte is still a 422, streaming or not."""
+    pre, raw = real_bundle(http, qwen_prefill, "The sales table lists revenue by region and month. " * 60)
+    assert pre["kv"]["bytes"] >= bundle._RunningChecksum.THREADED_FROM
+    damaged = bytearray(raw)
+    damaged[len(damaged) // 2] ^= 0x5A  # inside a layer's K/V values: llama.cpp's reader takes them
+    url = bytes_server(f"/kv/corrupted-large-{stream}", bytes(damaged))
+    resp = http.post(f"{qwen_decode}/decode", json={"kv": {"url": url, "handle": "corrupted"}, "stream": stream})
+    assert_error(resp, 422, "bad_bundle", "kv", "checksum mismatch")
+
+
+def test_a_stream_that_fails_before_its_first_token_gets_a_status_code(http, qwen_decode, still_serves):
+    resp = http.post(f"{qwen_decode}/generate", json={"prompt": "word " * 5000, "stream": True})
+    assert_error(resp, 400, "context_overflow", "prompt", "context holds 4096")
+
+
 def test_not_a_bundle_at_all(http, qwen_decode, bytes_server, still_serves):
     url = bytes_server("/kv/html", b"<html>hello</html>" * 10)
     assert_error(http.post(f"{qwen_decode}/decode", json={"kv": {"url": url, "handle": "html"}}),

@@ -2,6 +2,7 @@
 import io
 import os
 import struct
+import time
 
 import pytest
 
@@ -136,3 +137,42 @@ def test_a_large_payload_checksummed_on_threads_matches_the_plain_checksum():
     assert bundle.payload_checksum(payload) == crc32c.crc32c(payload)
     assert bundle.payload_checksum(payload, 12345) == crc32c.crc32c(payload, 12345)
     assert bundle.payload_checksum(bytearray(payload)) == crc32c.crc32c(payload)
+
+
+def test_a_large_bundle_arrives_before_its_checksum_is_done_and_the_check_still_catches_damage():
+    header, tokens, payload = make(payload=os.urandom(bundle._RunningChecksum.THREADED_FROM + 12345))
+    raw = bundle.to_bytes(header, tokens, payload)
+    arrived = bundle.receive_bundle(io.BytesIO(raw))
+    arrived.check()
+    arrived.check()  # again: the same answer, at once
+    assert arrived.header == header and arrived.tokens == tokens and bytes(arrived.payload) == payload
+    damaged = bytearray(raw)
+    damaged[len(raw) - 100] ^= 0x01  # in the payload's last frame
+    arrived = bundle.receive_bundle(io.BytesIO(bytes(damaged)))  # framing and sizes are fine: no error yet
+    with pytest.raises(bundle.BundleFormatError, match="checksum mismatch"):
+        arrived.check()
+
+
+class SlowWire(io.BytesIO):
+    """Bytes that arrive in pieces with pauses between them, as from a socket."""
+
+    def readinto(self, buffer):
+        time.sleep(0.005)
+        return super().readinto(memoryview(buffer)[:1 << 20])
+
+
+@pytest.mark.parametrize("alongside", [True, False])
+def test_a_large_payload_is_checked_as_it_arrives_or_only_once_all_of_it_has(monkeypatch, alongside):
+    raw = bundle.to_bytes(*make(payload=os.urandom(bundle._RunningChecksum.THREADED_FROM + 1)))
+    src = SlowWire(raw)
+    seen_at = []
+    plain = bundle.payload_checksum
+
+    def watched(piece, value=0):
+        seen_at.append(src.tell())
+        return plain(piece, value)
+
+    monkeypatch.setattr(bundle, "payload_checksum", watched)
+    bundle.receive_bundle(src, checksum_alongside=alongside).check()
+    assert len(seen_at) >= 3
+    assert (min(seen_at) < len(raw)) is alongside  # held back: every piece checked after the last byte was read

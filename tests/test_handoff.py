@@ -95,3 +95,52 @@ def test_fetch_names_what_differs_from_the_prefill_answer(bytes_server):
     with pytest.raises(NotFound, match="unknown KV handle") as err:
         handoff.fetch(KVRef(url=gone, handle="gone"), timeout=10)
     assert err.value.field == "kv.handle"
+
+
+def test_a_large_bundle_from_this_machine_is_checked_after_it_arrived_and_verify_catches_damage(
+        bytes_server, monkeypatch):
+    payload = os.urandom(bundle._RunningChecksum.THREADED_FROM + 1000)
+    header, raw = make_bundle(payload)
+    damaged = bytearray(raw)
+    damaged[len(raw) // 2] ^= 0x01
+    url = bytes_server("/kv/damaged", bytes(damaged))
+    alongside = []
+    real = bundle.receive_bundle
+    monkeypatch.setattr(bundle, "receive_bundle",
+                        lambda *a, **k: alongside.append(k["checksum_alongside"]) or real(*a, **k))
+    received, _ = handoff.fetch(KVRef(url=url, handle="damaged", bytes=len(payload)), timeout=10)
+    assert alongside == [False]  # loopback: the checksum waits for the last byte
+    with pytest.raises(BundleError, match="checksum mismatch") as err:
+        received.verify()
+    assert err.value.field == "kv"
+
+
+class Connected:
+    def __init__(self, peer, own):
+        self.peer, self.own = peer, own
+
+    def getpeername(self):
+        return (self.peer, 8101)
+
+    def getsockname(self):
+        return (self.own, 50000)
+
+
+def test_a_loopback_connection_is_the_same_host():
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    try:
+        assert handoff.same_host(client)
+    finally:
+        client.close()
+        server.close()
+
+
+def test_own_address_and_loopback_are_the_same_host_and_another_machine_is_not():
+    assert handoff.same_host(Connected("192.168.1.20", "192.168.1.20"))  # this machine through its LAN address
+    assert handoff.same_host(Connected("::1", "::1"))
+    assert handoff.same_host(Connected("127.0.0.2", "127.0.0.1"))
+    assert not handoff.same_host(Connected("192.168.1.30", "192.168.1.20"))
+    assert not handoff.same_host(Connected("fe80::1%eth0", "fe80::2%eth0"))
+    with socket.socket() as unconnected:
+        assert not handoff.same_host(unconnected)

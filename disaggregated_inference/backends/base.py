@@ -77,15 +77,26 @@ class Prefilled:
     meta: dict = field(default_factory=dict)  # backend-specific extras that travel in the bundle header
 
 
+def _intact() -> None:
+    """A payload that needs no checking (token ids only, or built in this process)."""
+
+
 @dataclass
 class Received:
-    """A bundle as the decode side got it (header fields, token ids, payload)."""
+    """A bundle as the decode side got it (header fields, token ids, payload).
+
+    ``verify()`` returns once the payload is known to be intact and raises
+    ``BundleError`` if it is not. A large payload's checksum is still finishing
+    when the bundle arrives, alongside the import: a backend imports, then calls
+    ``verify()``, and only then generates.
+    """
 
     kind: str
     tokens: list
     payload: object
     fingerprint: dict
     meta: dict = field(default_factory=dict)
+    verify: Callable[[], None] = field(default=_intact, repr=False)
 
 
 @dataclass

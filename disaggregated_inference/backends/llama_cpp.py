@@ -226,6 +226,11 @@ class LlamaCppBackend(Backend):
         ok = llama_cpp.llama_state_seq_set_data(ctx, src, n, SEQ)
         del src
         received.payload = None  # free the received copy as soon as llama.cpp holds the state
+        try:
+            received.verify()  # its checksum ran alongside the import: nothing is generated from bytes it refuses
+        except BundleError:
+            self.llm.reset()
+            raise
         if not ok:
             raise BundleError("llama.cpp refused the KV state (layout does not match this context)", field="kv")
         k = len(tokens) - 1
