@@ -249,7 +249,7 @@ class _RunningChecksum:
     Small payloads are checked on the receiving thread. Large ones on a thread of
     their own, which either runs ``alongside`` the receive (checking piece i while
     piece i+1 arrives: free when the wire sets the pace, as from another machine)
-    or starts once the last byte is in (``arrived``) and overlaps whatever the
+    or is started once the last byte is in (``start``) and overlaps whatever the
     receiver does next: when sender and receiver share a machine, the transfer
     is a memory-bound copy using every core, and a checksum beside it slows it.
     """
@@ -260,8 +260,8 @@ class _RunningChecksum:
         self.value = 0
         self._queue = queue.SimpleQueue() if total >= self.THREADED_FROM else None
         self._worker = None
-        if self._queue is not None and alongside:
-            self.arrived()
+        if alongside:
+            self.start()
 
     def _run(self) -> None:
         while (piece := self._queue.get()) is not None:
@@ -273,8 +273,8 @@ class _RunningChecksum:
         else:
             self._queue.put(piece)
 
-    def arrived(self) -> None:
-        """Start the checksum thread if it is not running yet (the pieces it holds are all in)."""
+    def start(self) -> None:
+        """Start the checksum thread of a large payload, if it is not running yet."""
         if self._queue is not None and self._worker is None:
             self._worker = threading.Thread(target=self._run, name="bundle-checksum", daemon=True)
             self._worker.start()
@@ -282,7 +282,7 @@ class _RunningChecksum:
     def result(self) -> int:
         """The checksum of everything fed, once it is computed (the thread is done with the buffer then)."""
         if self._queue is not None:
-            self.arrived()
+            self.start()
             self._queue.put(None)
             self._worker.join()
             self._queue = None
@@ -378,7 +378,7 @@ def receive_bundle(src: BinaryIO, max_payload_bytes: int | None = None,
     except BaseException:
         checksum.result()  # the thread lets go of the buffer before the caller sees the error
         raise
-    checksum.arrived()
+    checksum.start()  # a checksum held back until the last byte begins now
     return Arrived(header, tokens, payload, checksum, declared)
 
 
