@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from disaggregated_inference.client import DisaggregatedClient, FallbackWarning  # noqa: E402
-from disaggregated_inference.cluster import LocalCluster  # noqa: E402
+from disaggregated_inference.ops.cluster import LocalCluster  # noqa: E402
 
 
 def cluster_config(threads: int) -> dict:

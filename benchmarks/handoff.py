@@ -49,7 +49,9 @@ import requests
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from disaggregated_inference import buffers, bundle, sender  # noqa: E402
+from disaggregated_inference.kv import buffers
+from disaggregated_inference.kv import bundle
+from disaggregated_inference.kv import send as sender  # noqa: E402
 
 FILLER = ("The quarterly sales report lists revenue by region, product line and month, "
           "with notes on returns, discounts and the marketing campaigns that ran. ")
@@ -172,7 +174,7 @@ def measure_memory(tokens_wanted: int, tokens_per_repeat: float, threads: int) -
 
     tracemalloc.start()
     buffers.usage.reset_peak()
-    prefilled = exporter.prefill(prompt)
+    _, prefilled = exporter.run(exporter.prefill(prompt))
     header = bundle.BundleHeader(prefilled.kind, len(prefilled.tokens), len(prefilled.payload),
                                  bundle.payload_checksum(prefilled.payload), prefilled.fingerprint, prefilled.meta)
     framed = sender.frame_in_place(header, prefilled.tokens, prefilled.payload)
@@ -194,11 +196,14 @@ def measure_memory(tokens_wanted: int, tokens_per_repeat: float, threads: int) -
     buffers.usage.reset_peak()
     thread = threading.Thread(target=send)  # a second thread stands in for the network peer
     thread.start()
-    got_header, tokens, payload = bundle.read_bundle(b.makefile("rb"), allocate=buffers.allocate)
+    # as a decode server receives: with the few bytes of room its slots' stream conversion needs
+    got_header, tokens, payload = bundle.read_bundle(
+        b.makefile("rb"), allocate=buffers.with_room(buffers.allocate, *importer.receive_room()))
     thread.join()
     received = Received(got_header.kind, tokens, payload, got_header.fingerprint, got_header.meta)
     del payload
-    importer.import_state(received)
+    with importer.sequence() as seq:
+        importer.import_state(seq, received)
     decode_peak = tracemalloc.get_traced_memory()[1] + buffers.usage.peak - baseline
     tracemalloc.stop()
     kv = len(prefilled.payload)
@@ -221,7 +226,7 @@ def main(argv=None) -> int:
 
     cluster = None
     if not (args.prefill and args.decode):
-        from disaggregated_inference.cluster import LocalCluster
+        from disaggregated_inference.ops.cluster import LocalCluster
 
         data = json.loads((ROOT / "config_current.json").read_text())
         data["models"]["qwen"]["n_threads"] = args.threads

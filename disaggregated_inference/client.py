@@ -6,7 +6,8 @@ metrics)``. One request goes:
 1. ``POST /prefill`` on the least-loaded healthy prefill server of the model
    (another one if it fails);
 2. ``POST /decode`` on a decode server with the KV reference; the decode server
-   pulls the bundle from the prefill server itself;
+   pulls the bundle from the prefill server itself (a decode server that does not
+   accept the connection is tried once more before the next one: seed 003's "retry 1x");
 3. a lost KV (lease expired, prefill server gone) is recomputed once: a new
    prefill, a new decode;
 4. with no prefill server left, or a handoff that failed twice, the decode
@@ -20,6 +21,7 @@ requests (e.g. the two models of the grader) concurrently.
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 
 import requests
 from requests.adapters import HTTPAdapter
+from urllib3.exceptions import NewConnectionError
 
 from . import config as cluster_config
 from .errors import BadRequest, DisaggError, NoServerAvailable, UpstreamError, UpstreamTimeout, from_body
@@ -39,6 +42,15 @@ log = logging.getLogger(__name__)
 # Decode-server answers that mean "the KV is gone, recompute": unknown/expired
 # handle, unreachable prefill server, unusable bundle.
 KV_LOST_CODES = {"not_found", "lease_expired", "upstream_error", "upstream_timeout", "bad_bundle"}
+# Seed 003's "retry 1x": a decode server that could not be connected to is tried once more after
+# this pause before it is marked down (the request never reached it, so its KV lease is intact).
+DECODE_CONNECT_RETRY_DELAY = 0.5
+
+
+def _connect_failed(exc: requests.RequestException) -> bool:
+    """The connection was never made (refused, unreachable, connect timeout): nothing was sent."""
+    reason = getattr(exc.args[0], "reason", None) if exc.args else None
+    return isinstance(exc, requests.ConnectTimeout) or isinstance(reason, NewConnectionError)
 
 
 class FallbackWarning(UserWarning):
@@ -46,7 +58,7 @@ class FallbackWarning(UserWarning):
 
 
 @dataclass
-class ServerState:
+class TrackedServer:
     entry: cluster_config.ServerEntry
     up: bool = True           # optimistic until a check or a request says otherwise
     failures: int = 0
@@ -57,11 +69,21 @@ class ServerState:
     served: int = 0
     health: dict = field(default_factory=dict)
 
+    @property
+    def slots(self) -> int:
+        """Requests the server serves at once, as its last /health said (1 until it has said)."""
+        return int((self.health.get("slots") or {}).get("total") or 1)
+
+    @property
+    def free_slots(self) -> int:
+        return self.slots - self.outstanding
+
     def as_dict(self) -> dict:
         e = self.entry
         return {"name": e.name, "role": e.role, "model": e.model, "url": e.url, "up": self.up,
                 "failures": self.failures, "last_error": self.last_error, "last_checked": self.last_checked,
-                "latency_s": self.latency_s, "outstanding": self.outstanding, "served": self.served,
+                "latency_s": self.latency_s, "outstanding": self.outstanding, "slots": self.slots,
+                "served": self.served,
                 "loaded": self.health.get("loaded"), "backend": self.health.get("backend"),
                 "handoff": self.health.get("handoff")}
 
@@ -69,7 +91,7 @@ class ServerState:
 class _Attempt(Exception):
     """One server failed; the caller may try another."""
 
-    def __init__(self, server: ServerState, error: DisaggError, retryable: bool = True):
+    def __init__(self, server: TrackedServer, error: DisaggError, retryable: bool = True):
         super().__init__(str(error))
         self.server, self.error, self.retryable = server, error, retryable
 
@@ -89,7 +111,7 @@ class DisaggregatedClient:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._rr = 0
-        self.servers = {e.name: ServerState(e) for e in self.config.servers}
+        self.servers = {e.name: TrackedServer(e) for e in self.config.servers}
         self._stop = threading.Event()
         self._monitor = None
         interval = float(opts["health_check_interval"])
@@ -112,16 +134,17 @@ class DisaggregatedClient:
             self._local.session = session
         return session
 
-    def _post(self, server: ServerState, path: str, body: dict, timeout: float) -> dict:
+    def _post(self, server: TrackedServer, path: str, body: dict, timeout: float) -> dict:
         url = server.entry.url + path
         started = time.perf_counter()
         try:
             resp = self.session.post(url, json=body, timeout=(self.connect_timeout, timeout))
-        except requests.Timeout:
-            raise UpstreamTimeout(f"{server.entry.name} ({url}) timed out after {timeout:g}s", transport=True) from None
+        except requests.Timeout as exc:
+            raise UpstreamTimeout(f"{server.entry.name} ({url}) timed out after {timeout:g}s", transport=True,
+                                  connect_failed=_connect_failed(exc)) from None
         except requests.RequestException as exc:
             raise UpstreamError(f"{server.entry.name} ({url}) unreachable: {type(exc).__name__}",
-                                transport=True) from None
+                                transport=True, connect_failed=_connect_failed(exc)) from None
         server.latency_s = round(time.perf_counter() - started, 4)
         try:
             data = resp.json()
@@ -136,17 +159,29 @@ class DisaggregatedClient:
 
     # -- server choice and health --------------------------------------------------------------
 
-    def _candidates(self, role: str, model_key: str) -> list[ServerState]:
+    def _kv_kind(self, model_key: str) -> dict:
+        """``{"kv_kind": "neutral_kv"}`` when the model's decode servers continue neutral bundles but not
+        llama.cpp state (an MLX decode server), as their last /health ``accepts`` said; else nothing
+        (a client that never checked health asks for the prefill backend's own kind)."""
+        with self._lock:  # not _candidates(): that advances the round-robin
+            accepts = [s.health.get("accepts") for s in self.servers.values()
+                       if s.entry.role == "decode" and s.entry.model == model_key and s.up]
+        if accepts and all(a and "neutral_kv" in a and "llama_seq_state" not in a for a in accepts):
+            return {"kv_kind": "neutral_kv"}
+        return {}
+
+    def _candidates(self, role: str, model_key: str) -> list[TrackedServer]:
         with self._lock:
             pool = [s for s in self.servers.values() if s.entry.role == role and s.entry.model == model_key]
             healthy = [s for s in pool if s.up]
             self._rr += 1
             rr = self._rr
-        # least outstanding requests first; round-robin among ties
-        order = sorted(range(len(healthy)), key=lambda i: (healthy[i].outstanding, (i - rr) % max(1, len(healthy))))
+        # most free slots first (a server's slots, from /health, less what this client has in flight there);
+        # round-robin among ties
+        order = sorted(range(len(healthy)), key=lambda i: (-healthy[i].free_slots, (i - rr) % max(1, len(healthy))))
         return [healthy[i] for i in order]
 
-    def _mark_failure(self, server: ServerState, error: str, hard: bool = False) -> None:
+    def _mark_failure(self, server: TrackedServer, error: str, hard: bool = False) -> None:
         with self._lock:
             server.failures += 1
             server.last_error = error
@@ -155,7 +190,7 @@ class DisaggregatedClient:
                     log.warning("server marked down: name=%s error=%s", server.entry.name, error)
                 server.up = False
 
-    def _mark_ok(self, server: ServerState) -> None:
+    def _mark_ok(self, server: TrackedServer) -> None:
         with self._lock:
             if not server.up:
                 log.warning("server marked up: name=%s", server.entry.name)
@@ -167,7 +202,7 @@ class DisaggregatedClient:
             self._check_one(server)
         return self.status()
 
-    def _check_one(self, server: ServerState) -> None:
+    def _check_one(self, server: TrackedServer) -> None:
         started = time.perf_counter()
         refused = False
         try:
@@ -209,8 +244,22 @@ class DisaggregatedClient:
     # -- one request ---------------------------------------------------------------------------
 
     def _on(self, role: str, model_key: str, call, exclude=()):
-        """Run ``call(server)`` on the first server of a role that succeeds; mark failures."""
-        tried = []
+        """Run ``call(server)`` on the first server of a role that succeeds; mark failures. When every
+        server tried was only busy (503 overloaded), wait as its Retry-After says and go round again,
+        for at most the role's timeout."""
+        patience = self.prefill_timeout if role == "prefill" else self.decode_timeout
+        deadline = time.monotonic() + patience
+        while True:
+            busy: list = []
+            try:
+                return self._on_once(role, model_key, call, exclude, busy)
+            except NoServerAvailable:
+                if not busy or time.monotonic() + min(busy) > deadline:
+                    raise
+                time.sleep(min(busy))
+
+    def _on_once(self, role: str, model_key: str, call, exclude, busy: list):
+        tried, codes = [], []
         for server in self._candidates(role, model_key):
             if server.entry.name in exclude:
                 continue
@@ -228,33 +277,29 @@ class DisaggregatedClient:
                     raise attempt.error from None
             except DisaggError as exc:
                 tried.append(f"{server.entry.name}: {exc.message}")
+                codes.append(exc.code)
                 if 400 <= exc.status < 500 and exc.status not in (404, 408, 409, 429):
                     raise  # the request is at fault, not the server
+                if exc.code == "overloaded" and not exc.details.get("transport"):
+                    busy.append(min(5.0, float(exc.details.get("retry_after") or 1.0)))
+                    continue  # busy, not dead: try the next server and keep this one up
                 self._mark_failure(server, exc.message, hard=exc.code in ("upstream_error", "upstream_timeout"))
             finally:
                 with self._lock:
                     server.outstanding -= 1
         raise NoServerAvailable(f"no {role} server for model {model_key!r} could serve the request"
                                 + (f" (tried: {'; '.join(tried)})" if tried else " (none healthy)"),
-                                tried=tried)
+                                tried=tried, timed_out=bool(codes) and all(c == "upstream_timeout" for c in codes))
 
     def generate(self, model: str, prompt: str | None = None, max_tokens: int = 256, temperature: float = 0.0, *,
                  messages: list | None = None, top_p: float = 1.0, seed: int | None = None, stop=None,
-                 json_schema: dict | None = None, raw: bool = False) -> tuple[str, dict]:
+                 json_schema: dict | None = None, raw: bool = False, top_k: int | None = None,
+                 system: str | None = None) -> tuple[str, dict]:
         started = time.perf_counter()
         model_key = self.config.resolve_model(model)
-        if (prompt is None) == (messages is None):
-            raise BadRequest("give prompt or messages", field="prompt")
-        source = {"messages": messages} if messages is not None else {"prompt": prompt}
-        if raw:
-            source["raw"] = True
-        sampling = {"max_new_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
-        if seed is not None:
-            sampling["seed"] = seed
-        if stop:
-            sampling["stop"] = stop
-        if json_schema is not None:
-            sampling["json_schema"] = json_schema
+        source, sampling = _request_bodies(prompt, messages, raw, system=system, max_tokens=max_tokens,
+                                           temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+                                           json_schema=json_schema)
 
         notes: list[str] = []
         answer = None
@@ -273,32 +318,36 @@ class DisaggregatedClient:
         if answer is None:
             message = "; ".join(notes) or "no prefill server available"
             warnings.warn(f"Using fallback mode (decode-only, slower): {message}", FallbackWarning, stacklevel=2)
-            decode_server, data = self._on("decode", model_key, lambda s: self._post(
-                s, "/generate", {**source, **sampling}, self.decode_timeout))
+            sent, retries = [], []
+            decode_server, data = self._on("decode", model_key, lambda s: self._post_retrying_connect(
+                s, "/generate", {**source, **sampling}, sent, retries))
             answer = {"prefill": None, "prefill_server": None, "decode": data, "decode_server": decode_server,
-                      "method": "decode_only_fallback"}
+                      "method": "decode_only_fallback", "decode_sent_at": sent[-1], "decode_connect_retries": retries}
         metrics = self._metrics(answer, started, notes)
+        self._remember(model_key, metrics)
+        return answer["decode"]["generated_text"], metrics
+
+    def _remember(self, model_key: str, metrics: dict) -> None:
         with self._lock:
             self.history.append({"time": time.time(), "model": model_key, **{k: metrics.get(k) for k in (
                 "method", "prefill_time", "decode_time", "total_time", "prompt_tokens", "completion_tokens",
                 "prefill_speed", "decode_speed", "prefill_server", "decode_server", "kv_bytes")}})
-        return answer["decode"]["generated_text"], metrics
 
     def _disaggregated(self, model_key: str, source: dict, sampling: dict) -> dict:
         if not self._candidates("decode", model_key):
             raise NoServerAvailable(f"no healthy decode server for model {model_key!r}", role="decode")
+        wanted = self._kv_kind(model_key)
         prefill_server, prefilled = self._on("prefill", model_key, lambda s: self._post(
-            s, "/prefill", source, self.prefill_timeout))
+            s, "/prefill", {**source, **wanted}, self.prefill_timeout))
 
-        def decode_on(server: ServerState):
+        sent, retries = [], []
+
+        def decode_on(server: TrackedServer):
             body = {"kv": prefilled["kv"], **sampling}
             try:
-                return self._post(server, "/decode", body, self.decode_timeout)
+                return self._post_retrying_connect(server, "/decode", body, sent, retries)
             except DisaggError as exc:
-                # an answer from the decode server saying the KV is gone (not a failure to reach it)
-                if exc.code in KV_LOST_CODES and exc.status != 503 and not exc.details.get("transport"):
-                    # the decode server is fine; the bundle is not: recompute, do not blame the server
-                    raise _Attempt(server, _KVLost(exc.message), retryable=False) from None
+                _raise_kv_lost(server, exc)
                 raise
 
         try:
@@ -307,7 +356,28 @@ class DisaggregatedClient:
             exc.details["role"] = "decode"
             raise
         return {"prefill": prefilled, "prefill_server": prefill_server, "decode": decoded,
-                "decode_server": decode_server, "method": decoded["metrics"].get("method", "disaggregated")}
+                "decode_server": decode_server, "method": decoded["metrics"].get("method", "disaggregated"),
+                "decode_sent_at": sent[-1], "decode_connect_retries": retries}
+
+    def _post_retrying_connect(self, server: TrackedServer, path: str, body: dict, sent: list, retries: list) -> dict:
+        """POST to a decode server; one that could not be connected to gets one more try (seed 003's
+        "retry 1x"), the same server after ``DECODE_CONNECT_RETRY_DELAY``. Appends each send's
+        time to ``sent`` and each retried failure to ``retries``."""
+        sent.append(time.perf_counter())
+        try:
+            return self._post(server, path, body, self.decode_timeout)
+        except DisaggError as exc:
+            if not exc.details.get("connect_failed"):
+                raise
+            retries.append(exc.message)
+            log.warning("decode server did not accept the connection, retrying once: name=%s error=%s",
+                        server.entry.name, exc.message)
+        self._pause_before_retry()
+        sent.append(time.perf_counter())
+        return self._post(server, path, body, self.decode_timeout)
+
+    def _pause_before_retry(self) -> None:
+        time.sleep(DECODE_CONNECT_RETRY_DELAY)
 
     @staticmethod
     def _metrics(answer: dict, started: float, notes: list) -> dict:
@@ -333,20 +403,162 @@ class DisaggregatedClient:
             "kv_transfer_time": dec.get("kv_transfer_time", 0.0),
             "kv_load_time": dec.get("kv_load_time"),
             "ttft": dec.get("ttft"),
+            "ttft_end_to_end": _end_to_end_ttft(started, answer["decode_sent_at"], dec.get("ttft")),
+            "decode_connect_retries": len(answer["decode_connect_retries"]),
             "prompt_tokens_recomputed": dec.get("prompt_tokens_recomputed"),
             "finish_reason": answer["decode"].get("finish_reason"),
         }
+        notes = notes + [f"decode server did not accept the connection, retried once: {m}"
+                         for m in answer["decode_connect_retries"]]
         if notes:
             metrics["warnings"] = list(notes)
         return metrics
+
+    def stream(self, model: str, prompt: str | None = None, max_tokens: int = 256, temperature: float = 0.0, *,
+               messages: list | None = None, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
+               stop=None, json_schema: dict | None = None, raw: bool = False, system: str | None = None,
+               on_route=None):
+        """Like ``generate``, but yield the text pieces as the decode server sends them, then the metrics dict.
+
+        Routing, failover, the recompute of a lost KV and the decode-only fallback happen as in
+        ``generate`` until the decode server's stream has opened (its answer arrives with the first
+        piece): after that the decode server is committed, and an error ends the stream by raising.
+        ``on_route(route)``, if given, is called once the stream is open with what is known then:
+        ``method`` (provisional for a handoff: the decode server reports the final one in the
+        metrics), ``prefill_server``, ``decode_server``, ``kv_bytes`` (the bundle's size) and
+        ``warnings``.
+        """
+        started = time.perf_counter()
+        model_key = self.config.resolve_model(model)
+        source, sampling = _request_bodies(prompt, messages, raw, system=system, max_tokens=max_tokens,
+                                           temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+                                           json_schema=json_schema)
+        sampling["stream"] = True
+        notes: list[str] = []
+        opened = None
+        for attempt in range(1 + self.retries):
+            try:
+                opened = self._open_disaggregated(model_key, source, sampling)
+                break
+            except NoServerAvailable as exc:
+                if exc.details.get("role") == "decode":
+                    raise
+                notes.append(str(exc.message))
+                if not self._candidates("prefill", model_key):
+                    break
+            except _KVLost as exc:
+                notes.append(f"KV handoff failed ({exc}); recomputing" if attempt == 0 else f"KV handoff failed again ({exc})")
+        if opened is None:
+            message = "; ".join(notes) or "no prefill server available"
+            warnings.warn(f"Using fallback mode (decode-only, slower): {message}", FallbackWarning, stacklevel=2)
+            decode_server, lines = self._on("decode", model_key, lambda s: self._open_stream(
+                s, "/generate", {**source, **sampling}, self.decode_timeout))
+            opened = {"prefill": None, "prefill_server": None, "decode_server": decode_server, "lines": lines,
+                      "method": "decode_only_fallback"}
+        lines = opened.pop("lines")
+        decode_server = opened["decode_server"]
+        with self._lock:  # busy for the whole stream, so that least-loaded routing sees it
+            decode_server.outstanding += 1
+        try:
+            if on_route is not None:
+                kv = (opened["prefill"] or {}).get("kv") or {}
+                on_route({"method": opened["method"], "prefill_server": opened["prefill_server"].entry.address
+                          if opened["prefill_server"] else None, "decode_server": opened["decode_server"].entry.address,
+                          "kv_bytes": kv.get("bytes", 0), "warnings": list(notes)})
+            pieces, final = [], None
+            for line in lines:
+                if line.get("error"):
+                    err = from_body(502, {k: v for k, v in line.items() if k != "done"})
+                    err.message = f"{opened['decode_server'].entry.name} failed mid-stream: {err.message}"
+                    err.args = (err.message,)
+                    raise err
+                if line.get("done"):
+                    final = line
+                    break
+                pieces.append(line.get("text") or "")
+                yield pieces[-1]
+        finally:
+            lines.close()
+            with self._lock:
+                decode_server.outstanding -= 1
+        if final is None:
+            raise UpstreamError(f"{opened['decode_server'].entry.name} ended its stream without a final line")
+        if opened["method"] != "decode_only_fallback":
+            opened["method"] = final["metrics"].get("method", "disaggregated")
+        answer = {**opened, "decode": {"generated_text": "".join(pieces), "finish_reason": final.get("finish_reason"),
+                                       "metrics": final.get("metrics") or {}}}
+        metrics = self._metrics(answer, started, notes)
+        self._remember(model_key, metrics)
+        yield metrics
+
+    def _open_disaggregated(self, model_key: str, source: dict, sampling: dict) -> dict:
+        """``_disaggregated`` up to the first line of the decode server's stream."""
+        if not self._candidates("decode", model_key):
+            raise NoServerAvailable(f"no healthy decode server for model {model_key!r}", role="decode")
+        prefill_server, prefilled = self._on("prefill", model_key, lambda s: self._post(
+            s, "/prefill", source, self.prefill_timeout))
+
+        def decode_on(server: TrackedServer):
+            try:
+                return self._open_stream(server, "/decode", {"kv": prefilled["kv"], **sampling}, self.decode_timeout)
+            except DisaggError as exc:
+                _raise_kv_lost(server, exc)
+                raise
+
+        try:
+            decode_server, lines = self._on("decode", model_key, decode_on)
+        except NoServerAvailable as exc:
+            exc.details["role"] = "decode"
+            raise
+        kind = (prefilled.get("kv") or {}).get("kind")
+        return {"prefill": prefilled, "prefill_server": prefill_server, "decode_server": decode_server, "lines": lines,
+                "method": "kv_handoff" if kind == "llama_seq_state" else "token_ids_recompute"}
+
+    def _open_stream(self, server: TrackedServer, path: str, body: dict, timeout: float):
+        """POST a streaming request; return its NDJSON lines once the first one has arrived.
+
+        Errors before the first line (the server answers them with a status code) raise here,
+        so that ``_on`` can try another server.
+        """
+        url = server.entry.url + path
+        started = time.perf_counter()
+        try:
+            resp = self.session.post(url, json=body, timeout=(self.connect_timeout, timeout), stream=True)
+        except requests.Timeout:
+            raise UpstreamTimeout(f"{server.entry.name} ({url}) timed out after {timeout:g}s", transport=True) from None
+        except requests.RequestException as exc:
+            raise UpstreamError(f"{server.entry.name} ({url}) unreachable: {type(exc).__name__}",
+                                transport=True) from None
+        if resp.status_code != 200:
+            try:
+                data = resp.json()
+            except ValueError:
+                data = {"error": resp.text[:300]}
+            finally:
+                resp.close()
+            err = from_body(resp.status_code, data)
+            err.message = f"{server.entry.name} answered {resp.status_code}: {err.message}"
+            err.args = (err.message,)
+            raise err
+        lines = _ndjson_lines(resp, server.entry.name, timeout)
+        try:
+            head = next(lines)
+        except StopIteration:
+            raise UpstreamError(f"{server.entry.name} ({url}) sent an empty stream", transport=True) from None
+        except DisaggError:
+            lines.close()
+            raise
+        server.latency_s = round(time.perf_counter() - started, 4)
+        return _prepend(head, lines)
 
     def generate_many(self, requests_: list[dict], max_workers: int | None = None) -> tuple[list, dict]:
         """Run several ``generate`` calls concurrently; results in order.
 
         Each item is a dict of ``generate`` keyword arguments. Returns
         ``(results, combined)`` where each result is ``(text, metrics)`` or the
-        exception it raised, and ``combined`` has the wall time, the sum of the
-        requests' own times and the speedup of running them in parallel.
+        exception it raised, and ``combined`` is ``overlap_figures``: the sum of
+        the requests' own times (waiting behind each other included), the wall
+        time, and their ratio, the mean number of requests in flight (not a speedup).
         """
         started = time.perf_counter()
         with ThreadPoolExecutor(max_workers=max_workers or max(1, len(requests_))) as pool:
@@ -358,14 +570,95 @@ class DisaggregatedClient:
                 except Exception as exc:  # reported per request, never lost
                     results.append(exc)
         wall = time.perf_counter() - started
-        sequential = sum(r[1]["total_time"] for r in results if isinstance(r, tuple))
-        combined = {"wall_time": round(wall, 6), "sequential_time": round(sequential, 6),
-                    "speedup": round(sequential / wall, 3) if wall > 0 else None,
-                    "requests": len(results), "failed": sum(1 for r in results if not isinstance(r, tuple))}
-        return results, combined
+        request_time = sum(r[1]["total_time"] for r in results if isinstance(r, tuple))
+        return results, {**overlap_figures(request_time, wall), "requests": len(results),
+                         "failed": sum(1 for r in results if not isinstance(r, tuple))}
+
+
+def overlap_figures(request_time: float, wall_time: float) -> dict:
+    """What concurrent requests measure, named for what it is: ``request_time`` (the sum of the requests'
+    own times, each including any wait behind the others), ``wall_time``, and ``overlap`` = their ratio,
+    the mean number of requests in flight. Requests that queue on one server still overlap in flight, so
+    this is never a speedup; a speedup needs a measured sequential baseline."""
+    return {"request_time": round(request_time, 6), "wall_time": round(wall_time, 6),
+            "overlap": round(request_time / wall_time, 3) if wall_time > 0 and request_time > 0 else None}
+
+
+def describe_overlap(figures: dict) -> str:
+    """'N s of request time in M s of wall time (X requests in flight on average)'."""
+    overlap = figures.get("overlap")
+    return (f"{figures.get('request_time') or 0:.2f} s of request time in {figures.get('wall_time') or 0:.2f} s "
+            f"of wall time" + (f" ({overlap:.2f} requests in flight on average)" if overlap else ""))
+
+
+def _end_to_end_ttft(started: float, decode_sent_at: float, server_ttft: float | None) -> float | None:
+    """Seconds from the client's start of the request to the decode server's first token.
+
+    The client's own clock up to sending the /decode (or fallback /generate) that answered:
+    routing, the /prefill round trip, failed attempts, retries and recomputes; plus the decode
+    server's ``ttft``, measured from that request's arrival: KV pull, queueing, import (or the
+    prompt's evaluation) and the first token. Not counted: the one-way time of that request
+    from the client to the decode server (no shared clock), so this is a lower bound by that much.
+    """
+    if server_ttft is None:
+        return None
+    return round(decode_sent_at - started + server_ttft, 6)
 
 
 class _KVLost(DisaggError):
     """The decode server could not get the KV bundle: recompute."""
 
     status, code = 502, "kv_lost"
+
+
+def _raise_kv_lost(server: TrackedServer, exc: DisaggError) -> None:
+    """An answer from the decode server saying the KV is gone (not a failure to reach it): recompute."""
+    if exc.code in KV_LOST_CODES and exc.status != 503 and not exc.details.get("transport"):
+        # the decode server is fine; the bundle is not: recompute, do not blame the server
+        raise _Attempt(server, _KVLost(exc.message), retryable=False) from None
+
+
+def _request_bodies(prompt, messages, raw, *, system=None, max_tokens, temperature, top_p, top_k=None, seed=None,
+                    stop=None, json_schema=None) -> tuple[dict, dict]:
+    """The prompt part (for /prefill and /generate) and the sampling part (for /decode) of a request."""
+    if (prompt is None) == (messages is None):
+        raise BadRequest("give prompt or messages", field="prompt")
+    source = {"messages": messages} if messages is not None else {"prompt": prompt}
+    if raw:
+        source["raw"] = True
+    if system is not None:
+        source["system"] = system
+    sampling = {"max_new_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
+    if top_k is not None:
+        sampling["top_k"] = top_k
+    if seed is not None:
+        sampling["seed"] = seed
+    if stop:
+        sampling["stop"] = stop
+    if json_schema is not None:
+        sampling["json_schema"] = json_schema
+    return source, sampling
+
+
+def _ndjson_lines(resp, name: str, timeout: float):
+    """The decoded lines of a streaming answer; transport failures become Upstream errors."""
+    try:
+        for raw in resp.iter_lines():
+            if raw:
+                yield json.loads(raw)
+    except requests.Timeout:
+        raise UpstreamTimeout(f"{name} sent nothing for {timeout:g}s mid-stream", transport=True) from None
+    except requests.RequestException as exc:
+        raise UpstreamError(f"{name} broke off its stream: {type(exc).__name__}", transport=True) from None
+    except ValueError:
+        raise UpstreamError(f"{name} sent a line that is not JSON", transport=True) from None
+    finally:
+        resp.close()
+
+
+def _prepend(head, rest):
+    try:
+        yield head
+        yield from rest
+    finally:
+        rest.close()

@@ -11,17 +11,18 @@ from __future__ import annotations
 import copy
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from . import backends
 from .errors import ConfigError
-from .launch import MIN_NON_TEMPORAL_BYTES
+from .ops.launch import MIN_NON_TEMPORAL_BYTES
 
 DEFAULT_CONFIG_FILE = "config_current.json"
 
 # Settings a model entry (or a server entry, overriding its model) may carry.
 MODEL_KEYS = {
-    "backend": str,          # "llama_cpp" or "ollama"
+    "backend": str,          # a registered backend: "llama_cpp", "ollama", or a plugin's
     "model": str,            # built-in name, GGUF path, "ollama:NAME" (llama_cpp) or Ollama model name (ollama)
     "aliases": list,
     "n_ctx": int,
@@ -29,6 +30,7 @@ MODEL_KEYS = {
     "n_batch": int,
     "n_gpu_layers": int,
     "flash_attn": bool,
+    "parallel": int,
     "type_k": str,
     "type_v": str,
     "ollama_host": str,
@@ -49,23 +51,93 @@ CLIENT_DEFAULTS = {
     "history_size": 200,
     "api_token": None,
 }
-SERVER_DEFAULTS = {
-    "lease_seconds": 30.0,
-    "queue_timeout": 30.0,
-    "kv_fetch_timeout": 60.0,
-    "slow_transfer_seconds": 1.0,
-    "kv_buffer_idle_seconds": 300.0,
-    "kv_socket_buffer_bytes": 4 << 20,
-    "non_temporal_copy_bytes": 256 << 10,
-    "max_kv_bytes": 64 << 30,
-    "api_token": None,
-    "threads": 8,
+
+# The ``gateway`` section: where ``disagg gateway`` (the OpenAI/Ollama front door) listens.
+GATEWAY_DEFAULTS = {
+    "host": "127.0.0.1",
+    "port": 8080,
+    "api_token": None,  # a bearer token the gateway's callers must send; None: open
 }
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """The ``server`` section of a config: limits every server of the cluster runs with.
+
+    The one place these defaults are written; ``server.settings.ServerSettings`` extends it
+    with what is particular to one server (its role, model and name).
+    """
+
+    lease_seconds: float = 30.0
+    queue_timeout: float = 30.0
+    kv_fetch_timeout: float = 60.0
+    connect_timeout: float = 3.0
+    slow_transfer_seconds: float = 1.0
+    kv_buffer_idle_seconds: float = 300.0  # decode: how long a freed receive buffer is kept warm
+    kv_socket_buffer_bytes: int = 4 << 20  # decode: the KV pull's socket receive buffer; 0 = the kernel's
+    non_temporal_copy_bytes: int = 256 << 10  # copies this large bypass the CPU cache (ops/launch.py); 0 = glibc's
+    max_kv_bytes: int = 64 << 30
+    api_token: str | None = None
+    threads: int = 32  # gunicorn request threads of each server: threads - 1 may wait for or hold a model slot
+    max_queue: int = 64  # requests waiting for a slot beyond which a server answers 503 at once
+    # Trust and limits (docs/ARCHITECTURE.md, "Trust and limits")
+    kv_sources: tuple = ()  # decode: hosts/URLs it may pull KV from besides the cluster's prefill servers
+    kv_progress_timeout: float = 5.0  # decode: a KV pull with no byte arriving for this long is abandoned
+    max_request_bytes: int = 8 << 20  # every server: larger request bodies get 413
+    max_prompt_chars: int = 1 << 20  # prompt + system + messages' contents, in characters
+    max_schema_bytes: int = 64 << 10  # json_schema, as compact JSON
+    max_lease_bytes: int = 32 << 30  # prefill: bytes of KV held under leases at once; beyond, 503
+    max_lease_seconds: float = 600.0  # prefill: the longest lease_seconds a request may ask for
+    body_timeout: float = 10.0  # seconds a client has to send its request body (408 after)
+
+
+SERVER_DEFAULTS = {f.name: f.default for f in fields(ServerOptions)}
+
+# Ranges checked on load: key -> (lowest allowed, whether the lowest itself is allowed).
+CLIENT_RANGES = {"prefill_timeout": (0, False), "decode_timeout": (0, False), "connect_timeout": (0, False),
+                 "health_timeout": (0, False), "health_check_interval": (0, True),
+                 "failures_before_down": (1, True), "retries": (0, True), "history_size": (1, True)}
+SERVER_RANGES = {"lease_seconds": (0, False), "queue_timeout": (0, False), "kv_fetch_timeout": (0, False),
+                 "connect_timeout": (0, False), "slow_transfer_seconds": (0, True), "kv_buffer_idle_seconds": (0, True),
+                 "kv_socket_buffer_bytes": (0, True), "max_kv_bytes": (1, True), "threads": (2, True),
+                 "kv_progress_timeout": (0, False), "max_request_bytes": (1024, True), "max_prompt_chars": (1, True),
+                 "max_schema_bytes": (2, True), "max_lease_bytes": (1, True), "max_lease_seconds": (0, False),
+                 "body_timeout": (0, False)}
+
+
+def _check_ranges(section: dict, ranges: dict, where: str, source: str) -> None:
+    for key, (low, inclusive) in ranges.items():
+        value = section[key]
+        if value < low or (value == low and not inclusive):
+            bound = f"at least {low}" if inclusive else f"more than {low}"
+            raise ConfigError(f"{source}: {where}.{key} must be {bound}, got {value}", field=f"{where}.{key}")
+
+
+def check_limits(client: dict, server: dict, source: str) -> None:
+    """Range checks of the client and server sections, and the timeouts that must agree with each other."""
+    _check_ranges(client, CLIENT_RANGES, "client", source)
+    _check_ranges(server, SERVER_RANGES, "server", source)
+    for entry in server["kv_sources"]:
+        if not isinstance(entry, str) or not entry:
+            raise ConfigError(f"{source}: server.kv_sources must be a list of host, host:port or URL strings",
+                              field="server.kv_sources")
+    if server["kv_progress_timeout"] > server["kv_fetch_timeout"]:
+        raise ConfigError(f"{source}: server.kv_progress_timeout ({server['kv_progress_timeout']}) must not exceed "
+                          f"server.kv_fetch_timeout ({server['kv_fetch_timeout']})", field="server.kv_progress_timeout")
+    if client["decode_timeout"] <= server["kv_fetch_timeout"]:
+        # the decode server may take kv_fetch_timeout to pull the KV: a client that gives up first
+        # would blame (and mark down) a healthy decode server for a slow prefill server
+        raise ConfigError(f"{source}: client.decode_timeout ({client['decode_timeout']}) must exceed "
+                          f"server.kv_fetch_timeout ({server['kv_fetch_timeout']})", field="client.decode_timeout")
+
 # The production roles' names, used when a config has no "models" section.
 DEFAULT_ALIASES = {
     "qwen": ["qwen3-coder:30b", "qwen3-coder"],
     "gpt-oss": ["gpt-oss:120b", "gpt-oss-120b"],
 }
+# The production model of each documents' key (the first alias): what an Ollama server asks its
+# daemon for when its model entry names no model, as in the documents' config shape.
+PRODUCTION_MODELS = {key: names[0] for key, names in DEFAULT_ALIASES.items()}
 
 
 @dataclass
@@ -96,6 +168,7 @@ class ClusterConfig:
     client: dict
     server: dict
     source: str = "<dict>"
+    gateway: dict = field(default_factory=lambda: dict(GATEWAY_DEFAULTS))
 
     @property
     def servers(self) -> list:
@@ -152,7 +225,8 @@ def _check_keys(obj, spec: dict, where: str, source: str, required=()) -> None:
 
 def _with_defaults(given, defaults: dict, where: str, source: str) -> dict:
     """Check a flat section against the types of its defaults (a None default means a string)."""
-    spec = {k: str if v is None else (int, float) if isinstance(v, float) else type(v) for k, v in defaults.items()}
+    spec = {k: str if v is None else (int, float) if isinstance(v, float) else (list, tuple) if isinstance(v, tuple) else type(v)
+            for k, v in defaults.items()}
     _check_keys(given, spec, where, source)
     return {**defaults, **given}
 
@@ -160,7 +234,7 @@ def _with_defaults(given, defaults: dict, where: str, source: str) -> dict:
 def from_dict(data: dict, source: str = "<dict>") -> ClusterConfig:
     data = copy.deepcopy(data)
     top = {"models": dict, "prefill_servers": list, "decode_servers": list, "client": dict, "server": dict,
-           "description": str}
+           "gateway": dict, "description": str}
     _check_keys(data, top, "config", source, required=("prefill_servers", "decode_servers"))
 
     models = data.get("models")
@@ -169,9 +243,10 @@ def from_dict(data: dict, source: str = "<dict>") -> ClusterConfig:
         models = {n: {"aliases": list(DEFAULT_ALIASES.get(n, []))} for n in sorted(filter(None, names))}
     for key, entry in models.items():
         _check_keys(entry, MODEL_KEYS, f"models.{key}", source)
-        if entry.get("backend", "llama_cpp") not in ("llama_cpp", "ollama"):
-            raise ConfigError(f"{source}: models.{key}.backend must be 'llama_cpp' or 'ollama', "
-                              f"got {entry['backend']!r}", field=f"models.{key}.backend")
+        registered = backends.names()
+        if entry.get("backend", "llama_cpp") not in registered:
+            raise ConfigError(f"{source}: models.{key}.backend must be a registered backend "
+                              f"({', '.join(registered)}), got {entry['backend']!r}", field=f"models.{key}.backend")
         for alias in entry.get("aliases", []):
             if not isinstance(alias, str):
                 raise ConfigError(f"{source}: models.{key}.aliases must be a list of strings", field=f"models.{key}.aliases")
@@ -182,6 +257,11 @@ def from_dict(data: dict, source: str = "<dict>") -> ClusterConfig:
         raise ConfigError(f"{source}: server.non_temporal_copy_bytes must be 0 (glibc's default) or at least "
                           f"{MIN_NON_TEMPORAL_BYTES}, got {server['non_temporal_copy_bytes']}",
                           field="server.non_temporal_copy_bytes")
+    check_limits(client, server, source)
+
+    gateway = _with_defaults(data.get("gateway", {}), GATEWAY_DEFAULTS, "gateway", source)
+    if not 0 < gateway["port"] < 65536:
+        raise ConfigError(f"{source}: gateway.port must be 1..65535, got {gateway['port']}", field="gateway.port")
 
     entries = {"prefill": [], "decode": []}
     seen = set()
@@ -202,15 +282,35 @@ def from_dict(data: dict, source: str = "<dict>") -> ClusterConfig:
             # a server's "model" names a model entry; every other model key it carries overrides that entry
             settings.update({k: v for k, v in raw.items() if k in MODEL_KEYS and k != "model"})
             settings.setdefault("backend", "llama_cpp" if "model" in models[raw["model"]] else "ollama")
+            if settings["backend"] == "ollama":  # the documents' key "qwen" asks Ollama for "qwen3-coder:30b"
+                settings.setdefault("model", PRODUCTION_MODELS.get(raw["model"], raw["model"]))
             settings.setdefault("model", raw["model"])
             entries[role].append(ServerEntry(role, name, raw["host"], raw["port"], raw["model"], settings,
                                              raw.get("data_url")))
-    return ClusterConfig(models, entries["prefill"], entries["decode"], client, server, source)
+    return ClusterConfig(models, entries["prefill"], entries["decode"], client, server, source, gateway)
+
+
+def find(path: str | os.PathLike) -> Path:
+    """The file a config path names, in this order:
+
+    1. the path as given;
+    2. if that file is absent and the path is the design documents' spelling
+       ``disaggregated_inference/config_current.json`` (seed 004), the ``config_current.json``
+       of the directory that holds ``disaggregated_inference/`` (from the repository root: the
+       repository's own file). There is one copy of the file; the loaded config's ``source``
+       names the one read.
+    """
+    path = Path(path)
+    if not path.exists() and path.name == DEFAULT_CONFIG_FILE and path.parent.name == "disaggregated_inference":
+        beside = path.parent.parent / DEFAULT_CONFIG_FILE
+        if beside.is_file():
+            return beside
+    return path
 
 
 def load(path: str | os.PathLike | None = None) -> ClusterConfig:
-    """Load and validate a config file (default: ``$DISAGG_CONFIG`` or ./config_current.json)."""
-    path = Path(path or os.environ.get("DISAGG_CONFIG") or DEFAULT_CONFIG_FILE)
+    """Load and validate a config file (default: ``$DISAGG_CONFIG`` or ./config_current.json; see ``find``)."""
+    path = find(path or os.environ.get("DISAGG_CONFIG") or DEFAULT_CONFIG_FILE)
     try:
         text = path.read_text()
     except OSError as exc:

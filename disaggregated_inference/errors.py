@@ -35,6 +35,26 @@ class Unauthorized(DisaggError):
     status, code = 401, "unauthorized"
 
 
+class Forbidden(DisaggError):
+    """The request asks for something this server will not do for anyone (e.g. fetch from an untrusted host)."""
+
+    status, code = 403, "forbidden"
+
+
+class PayloadTooLarge(DisaggError):
+    status, code = 413, "payload_too_large"
+
+
+class RequestTimeout(DisaggError):
+    """The client did not send its request body in time."""
+
+    status, code = 408, "request_timeout"
+
+
+class UnsupportedMediaType(DisaggError):
+    status, code = 415, "unsupported_media_type"
+
+
 class NotFound(DisaggError):
     status, code = 404, "not_found"
 

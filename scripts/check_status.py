@@ -156,6 +156,8 @@ def main(argv=None) -> int:
                              "else the repository's)")
     parser.add_argument("--only", action="append", metavar="NAME", help="only this server (repeatable)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--doctor", action="store_true",
+                        help="also run `disagg doctor`: pair fingerprints, data paths, tokens (exit 1 on a problem)")
     args = parser.parse_args(argv)
     _use_repo_venv()
     from disaggregated_inference import config as cluster_config
@@ -190,7 +192,18 @@ def main(argv=None) -> int:
         print(f"check_status.py: warning: {line}", file=sys.stderr)
     for line in errors:
         print(f"check_status.py: MISMATCH: {line}", file=sys.stderr)
-    return 1 if bad or errors else 0
+    doctor_problems = run_doctor(cfg) if args.doctor else 0
+    return 1 if bad or errors or doctor_problems else 0
+
+
+def run_doctor(cfg) -> int:
+    """``disagg doctor`` on the same config: prints its report, returns the number of problems."""
+    from disaggregated_inference.ops.doctor import Doctor, format_report
+
+    report = Doctor(cfg, api_token=os.environ.get("DISAGG_API_TOKEN")).run()
+    print()
+    print(format_report(report))
+    return len(report.problems)
 
 
 if __name__ == "__main__":

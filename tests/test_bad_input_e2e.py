@@ -5,7 +5,7 @@ import io
 
 import pytest
 
-from disaggregated_inference import bundle
+from disaggregated_inference.kv import bundle
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +95,8 @@ def test_corrupted_large_kv_is_refused_after_its_import_and_no_text_leaves(
     damaged = bytearray(raw)
     damaged[len(damaged) // 2] ^= 0x5A  # inside a layer's K/V values: llama.cpp's reader takes them
     url = bytes_server(f"/kv/corrupted-large-{stream}", bytes(damaged))
-    resp = http.post(f"{qwen_decode}/decode", json={"kv": {"url": url, "handle": "corrupted"}, "stream": stream})
+    resp = http.post(f"{qwen_decode}/decode", json={"kv": {"url": url, "handle": f"corrupted-large-{stream}"},
+                                                          "stream": stream})
     assert_error(resp, 422, "bad_bundle", "kv", "checksum mismatch")
 
 

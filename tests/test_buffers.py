@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from disaggregated_inference import buffers
-from disaggregated_inference.buffers import HUGE_THRESHOLD, BufferPool
+from disaggregated_inference.kv import buffers
+from disaggregated_inference.kv.buffers import HUGE_THRESHOLD, BufferPool
 
 
 class Clock:

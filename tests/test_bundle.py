@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from disaggregated_inference import bundle
+from disaggregated_inference.kv import bundle
 
 
 def make(payload: bytes = None, tokens=(1, 2, 3, 40000), kind=bundle.KIND_LLAMA_SEQ_STATE):

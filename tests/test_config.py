@@ -71,5 +71,27 @@ def test_unparseable_and_missing_files(tmp_path):
 
 def test_model_backend_is_checked(tmp_path):
     data = {**SEEDS_SHAPE, "models": {"qwen": {"backend": "vllm"}, "gpt-oss": {}}}
-    with pytest.raises(ConfigError, match=r"models\.qwen\.backend must be 'llama_cpp' or 'ollama'"):
+    with pytest.raises(ConfigError, match=r"models\.qwen\.backend must be a registered backend \(llama_cpp, (mlx, )?"
+                                          r"ollama.*\), got 'vllm'"):
         config.load(write(tmp_path, data))
+
+
+def test_a_registered_plugin_backend_is_accepted(tmp_path, monkeypatch):
+    from disaggregated_inference import backends
+
+    monkeypatch.setitem(backends._REGISTRY, "vllm", "some_plugin.module:VllmBackend")
+    data = {**SEEDS_SHAPE, "models": {"qwen": {"backend": "vllm"}, "gpt-oss": {}}}
+    cfg = config.load(write(tmp_path, data))
+    assert cfg.prefill_servers[0].settings["backend"] == "vllm"
+
+
+def test_entry_point_backends_are_registered(monkeypatch):
+    from importlib.metadata import EntryPoint
+
+    from disaggregated_inference import backends
+
+    found = [EntryPoint("mlx_plugin", "plugin.mlx:Backend", backends.ENTRY_POINT_GROUP)]
+    monkeypatch.setattr(backends, "entry_points", lambda group: found if group == backends.ENTRY_POINT_GROUP else [])
+    monkeypatch.setattr(backends, "_plugins_loaded", False)
+    monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))
+    assert "mlx_plugin" in backends.names()

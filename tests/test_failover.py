@@ -22,7 +22,7 @@ LONG_PROMPT = "Revenue by region and month, with returns and discounts noted. " 
 
 @pytest.fixture(scope="module")
 def small_cluster(tmp_path_factory):
-    from disaggregated_inference.cluster import LocalCluster
+    from disaggregated_inference.ops.cluster import LocalCluster
 
     data = cluster_config_dict()
     data["models"] = {"qwen": data["models"]["qwen"]}
@@ -45,6 +45,7 @@ def client(small_cluster):
     small_cluster.wait_healthy(timeout=120)
     config = small_cluster.config
     config["client"].update(decode_timeout=20, prefill_timeout=20, connect_timeout=1, failures_before_down=1)
+    config["server"]["kv_fetch_timeout"] = 15  # a decode_timeout must exceed it (the client's copy of the config)
     with DisaggregatedClient(config, health_check=False) as c:
         yield c
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from disaggregated_inference import config as cluster_config
@@ -12,7 +13,6 @@ from disaggregated_inference.grading import GradingOptions, deterministic_part, 
 from disaggregated_inference.grading.analysis import plan_requests, run_requests
 from disaggregated_inference.grading.evidence import check_rubric, collect_evidence
 from disaggregated_inference.grading.notebook import load_submission
-from disaggregated_inference.grading.validation import check_code_answer, check_feedback_answer
 
 pytestmark = pytest.mark.slow
 
@@ -20,16 +20,24 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 GOOD = EXAMPLES / "notebooks" / "good_sales_analysis.ipynb"
 
 
+def patient(config: dict) -> dict:
+    """The cluster's config with room for complete answers on a slow, shared machine (the default 180 s
+    decode timeout is for production hardware)."""
+    return {**config, "client": {**config.get("client", {}), "decode_timeout": 900.0}}
+
+
 @pytest.fixture(scope="module")
 def client(cluster):
-    with DisaggregatedClient(cluster.config, health_check=False) as c:
+    with DisaggregatedClient(patient(cluster.config), health_check=False) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def options(cluster):
     cfg = cluster_config.coerce(cluster.config)
-    return GradingOptions.for_cluster(cfg, code_max_tokens=320, feedback_max_tokens=240)
+    # room for the long answers the schemas allow (1,500 characters of strings, about a token each for the
+    # small models), so that an answer ends with "stop" and is parsed; 768 was not enough for gemma3-270m
+    return GradingOptions.for_cluster(cfg, code_max_tokens=1500, feedback_max_tokens=1500)
 
 
 def test_both_models_answer_schema_valid_json_through_the_handoff(client, options):
@@ -43,15 +51,12 @@ def test_both_models_answer_schema_valid_json_through_the_handoff(client, option
         assert answer.error is None, answer.error
         assert answer.metrics["method"] == "kv_handoff"
         assert answer.metrics["prompt_tokens_recomputed"] == 1
-        if answer.finish_reason == "stop":  # complete: the grammar guarantees it parses
-            json.loads(answer.text)
-    code = next(a for a in answers if a.role == requests[0].role)
-    feedback = next(a for a in answers if a is not code)
-    parsed_code, code_problems = check_code_answer(code, rubric)
-    parsed_feedback, feedback_problems = check_feedback_answer(feedback)
-    assert parsed_code is not None or code.finish_reason == "length", code_problems
-    assert parsed_feedback is not None or feedback.finish_reason == "length", feedback_problems
-    assert combined["requests"] == 2 and combined["speedup"] > 0
+        # complete, so it parses and follows the schema it was constrained by (what the small models *say*
+        # is judged by the grader's quality checks, tested elsewhere)
+        assert answer.finish_reason == "stop", (answer.role, answer.metrics)
+        schema = next(r for r in requests if r.role == answer.role).kwargs["json_schema"]
+        jsonschema.validate(json.loads(answer.text, strict=False), schema)
+    assert combined["requests"] == 2 and combined["overlap"] > 0 and "speedup" not in combined
 
 
 def test_grading_the_same_notebook_twice_gives_the_same_result(client, options):
@@ -60,11 +65,12 @@ def test_grading_the_same_notebook_twice_gives_the_same_result(client, options):
     second = grade_notebook(GOOD, rubric, client, options)
     assert first["status"] in ("graded", "needs_review")
     assert deterministic_part(first) == deterministic_part(second)
-    if first["status"] == "graded":
-        assert 0 <= first["total"] <= rubric.max_points
-        assert all(0 <= c["score"] <= c["points"] for c in first["criteria"])
-    else:  # flagged for a human: the reasons are recorded, no total is claimed
-        assert first["review_reasons"] and first["total"] is None
+    # whichever answer was used or dropped, every score is the evidence's, moved within the band
+    assert first["total"] == pytest.approx(sum(c["score"] for c in first["criteria"]))
+    for c in first["criteria"]:
+        criterion = rubric.criterion(c["id"])
+        assert abs(c["score"] - c["evidence_score"]) <= criterion.points * criterion.model_band + 1e-9, c
+        assert 0 <= c["score"] <= c["points"] and c["evidence_reason"] and c["adjustment_reason"]
     assert first["inference"]["requests"]  # per-request metrics are recorded
 
 

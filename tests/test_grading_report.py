@@ -29,7 +29,7 @@ def rubric():
 @pytest.fixture
 def submissions(tmp_path):
     folder = tmp_path / "submissions"
-    shutil.copytree(EXAMPLES / "notebooks", folder)
+    shutil.copytree(EXAMPLES / "notebooks", folder, ignore=shutil.ignore_patterns("calibration"))
     return folder
 
 
@@ -48,7 +48,8 @@ def test_batch_writes_every_report(submissions, tmp_path, rubric):
     good = read_result(out / "good_sales_analysis.json")
     assert set(good["layers"]) == {"submission", "evidence", "analysis", "validation"}
     assert good["inference"]["prefill_time"] == 0.75 and good["inference"]["decode_time"] == 1.75
-    assert good["inference"]["speedup"] == pytest.approx(2.5 / 1.5, abs=1e-3)
+    assert (good["inference"]["request_time"], good["inference"]["wall_time"]) == (2.5, 1.5)
+    assert good["inference"]["overlap"] == pytest.approx(2.5 / 1.5, abs=1e-3) and "speedup" not in good["inference"]
 
     rows = list(csv.DictReader(io.StringIO((out / "gradebook.csv").read_text())))
     assert [r["submission"] for r in rows] == NAMES
@@ -56,7 +57,7 @@ def test_batch_writes_every_report(submissions, tmp_path, rubric):
                                   "data_loading", "aggregation", "visualisation", "interpretation", "code_quality"]
     by_name = {r["submission"]: r for r in rows}
     assert by_name["good_sales_analysis"]["total"] == "40.0"
-    assert by_name["incomplete_sales_analysis"]["visualisation"] == "5.0"
+    assert by_name["incomplete_sales_analysis"]["visualisation"] == "2.5"  # evidence 0 + the band (issue 18)
     assert by_name["not_a_notebook"]["status"] == "invalid" and by_name["not_a_notebook"]["total"] == ""
     assert "invalid JSON" in by_name["not_a_notebook"]["review_reasons"]
 
@@ -68,7 +69,8 @@ def test_batch_writes_every_report(submissions, tmp_path, rubric):
     assert [f["submission"] for f in summary["flagged"]] == ["not_a_notebook"]
     inf = summary["inference"]
     assert inf["requests"] == 6 and inf["prefill_time"] == 2.25 and inf["decode_time"] == 5.25
-    assert inf["speedup"] == pytest.approx(2.5 / 1.5, abs=1e-3)
+    assert inf["overlap"] == pytest.approx(2.5 / 1.5, abs=1e-3) and "speedup" not in inf
+    assert "7.50 s of request time in 4.50 s of wall time" in (out / "summary.md").read_text()
     md = (out / "summary.md").read_text()
     assert "## Needs human review" in md and "**not_a_notebook** (invalid)" in md
 
@@ -77,9 +79,10 @@ def test_markdown_report_of_a_flawed_notebook(submissions, tmp_path, rubric):
     out = tmp_path / "out"
     grade_batch(submissions / "errors_sales_analysis.ipynb", rubric, FakeGradingClient(), out)
     md = (out / "errors_sales_analysis.md").read_text()
-    for expected in ("**Score: 27.5 / 40**", "## Criteria", "### Score adjustments", "## Feedback",
+    for expected in ("**Score: 26 / 40**", "## Criteria", "### Why", "## Feedback",
+                     "| Chart of revenue by region (`visualisation`) | 5 | 0 | 5 | 10 |",
                      "cell 3: SyntaxError at line 1", "| `visualisation` | chart | **no** |", "## Inference",
-                     "parallel speedup 1.67x"):
+                     "2.50 s of request time in 1.50 s of wall time (1.67 requests in flight on average)"):
         assert expected in md, expected
 
 

@@ -69,23 +69,29 @@ def test_valid_answers_parse():
     assert problems == [] and fb["summary"] == "Good."
 
 
-def test_scores_are_clamped_and_capped_with_reasons():
+def test_scores_are_clamped_then_bounded_by_the_evidence_with_reasons():
+    # Changed on purpose (issue 18): the score starts from the evidence; the model moves it within the band
+    # (25% of the points), never above the cap where evidence is missing.
     code = {"scores": {"a": {"score": 14, "rationale": ""}, "b": {"score": -2, "rationale": ""}}}
-    checks = {"a": [Check("chart", False, "no chart: no chart output and no plotting code")], "b": []}
+    checks = {"a": [Check("chart", False, "no chart: no chart output and no plotting code", "chart")], "b": []}
     a, b = reconcile(RUBRIC, checks, code)
-    assert (a.model_score, a.score) == (14, 5.0)
+    assert (a.evidence_score, a.model_score, a.model_adjustment, a.score) == (0, 14, 2.5, 2.5)
     assert a.adjustments == ["clamped from 14 to 10 (the criterion's points)",
-                             "capped at 5/10 because evidence is missing: "
-                             "no chart: no chart output and no plotting code"]
-    assert (b.score, b.adjustments) == (0.0, ["clamped from -2 to 0"])
-    # evidence present: the model's score in range stands; a low score is never raised
-    a, b = reconcile(RUBRIC, {"a": [Check("chart", True, "chart")], "b": []},
+                             "10 became 2.5: model said 10/10 (+10 from the evidence); limited by the band of "
+                             "±2.5 to +2.5"]
+    assert "0 of 1 evidence rules met; not met: chart (no chart" in a.evidence_reason
+    # b has no rules: starts at half its points (2), the model's 0 moves it down by at most 1
+    assert (b.evidence_score, b.score, b.model_adjustment) == (2, 1, -1)
+    assert b.adjustments[0] == "clamped from -2 to 0"
+    # evidence present: full evidence score; the model's 10 agrees, its 1 lowers b within the band only
+    a, b = reconcile(RUBRIC, {"a": [Check("chart", True, "chart", "chart")], "b": []},
                      {"scores": {"a": {"score": 10, "rationale": ""}, "b": {"score": 1, "rationale": ""}}})
-    assert (a.score, a.adjustments, b.score) == (10, [], 1)
-    # a score already under the cap is not changed
-    low = {"scores": {"a": {"score": 3, "rationale": ""}, "b": {"score": 1, "rationale": ""}}}
-    a, _ = reconcile(RUBRIC, checks, low)
-    assert (a.score, a.adjustments) == (3, [])
+    assert (a.score, a.adjustments, a.adjustment_reason) == (10, [], "model said 10/10, the same as the evidence")
+    assert (b.score, b.model_adjustment) == (1, -1)
+    # no usable answer: the evidence score stands and says why
+    a, b = reconcile(RUBRIC, checks, None, "failed the quality checks")
+    assert (a.score, b.score) == (0, 2)
+    assert a.adjustment_reason == "the model's view was not used: failed the quality checks"
 
 
 def test_missing_chart_cannot_get_full_marks(rubric):
@@ -93,10 +99,15 @@ def test_missing_chart_cannot_get_full_marks(rubric):
     result = grade_notebook(NOTEBOOKS / "incomplete_sales_analysis.ipynb", rubric, fake)
     assert result["status"] == "graded" and not result["needs_review"]
     vis = {c["id"]: c for c in result["criteria"]}["visualisation"]
-    assert (vis["model_score"], vis["score"]) == (10, 5)
-    assert "no chart" in vis["adjustments"][0]
+    # changed on purpose (issue 18): neither matplotlib nor a chart: evidence 0; the model's 10/10 raises it
+    # by the band only (2.5), below the cap of 5 it had before
+    assert (vis["evidence_score"], vis["model_score"], vis["score"]) == (0, 10, 2.5)
+    assert "limited by the band of ±2.5 to +2.5" in vis["adjustments"][0]
     assert result["layers"]["validation"]["adjustments"]["visualisation"] == vis["adjustments"]
-    assert result["total"] == 8 + 5 + 5 + 3 + 1.5
+    scores = {c["id"]: (c["evidence_score"], c["score"]) for c in result["criteria"]}
+    assert scores == {"data_loading": (8, 8), "aggregation": (0, 2.5), "visualisation": (0, 2.5),
+                      "interpretation": (0, 1.5), "code_quality": (1.5, 1.5)}, scores
+    assert result["total"] == 16
 
 
 def test_good_notebook_keeps_full_marks(rubric):
@@ -104,7 +115,7 @@ def test_good_notebook_keeps_full_marks(rubric):
     assert (result["status"], result["total"], result["percent"]) == ("graded", 40, 100.0)
     assert all(not c["adjustments"] for c in result["criteria"])
     assert result["feedback"]["summary"].startswith("Fake feedback")
-    assert result["feedback"]["issues"] == ["fake issue"]
+    assert result["feedback"]["issues"] == ["Fake issue: cell 2 could check the revenue column for gaps first."]
 
 
 def test_invalid_answer_is_retried_once_and_accepted(rubric):
@@ -114,8 +125,9 @@ def test_invalid_answer_is_retried_once_and_accepted(rubric):
     retry = fake.calls[2]
     assert "Your previous answer was rejected: not valid JSON" in retry["prompt"]
     assert retry["prompt"].startswith(fake.calls[0]["prompt"])
+    # changed on purpose (issue 18): another seed, sampled, for a different answer; the same schema
     assert (retry["temperature"], retry["seed"], retry["json_schema"]) == (
-        fake.calls[0]["temperature"], fake.calls[0]["seed"], fake.calls[0]["json_schema"])
+        0.4, fake.calls[0]["seed"] + 1, fake.calls[0]["json_schema"])
     assert result["status"] == "graded" and result["total"] == 40
     assert result["layers"]["validation"]["retried"] == [CODE]
     assert [(a["role"], a["attempt"]) for a in result["layers"]["analysis"]["answers"]] == [
@@ -129,8 +141,14 @@ def test_still_invalid_after_retry_is_flagged(rubric):
     result = grade_notebook(NOTEBOOKS / "good_sales_analysis.ipynb", rubric, fake)
     assert fake.rounds == [[CODE, FEEDBACK], [CODE, FEEDBACK]]  # once more, both together, then no more
     assert result["status"] == "needs_review" and result["needs_review"]
-    assert result["total"] is None and all(c["score"] is None for c in result["criteria"])
-    assert result["feedback"] is None
+    # changed on purpose (issue 18): the evidence scores stand (all rules met: 40), the model's view unused
+    assert result["total"] == 40 and all(c["score"] == c["evidence_score"] for c in result["criteria"])
+    assert all(c["adjustment_reason"] == "the model's view was not used: the code-analysis answer invalid after "
+               "a retry (see why below)" for c in result["criteria"])
+    assert result["layers"]["validation"]["model_not_used"]["code"].startswith(
+        "invalid after a retry: no score for criteria aggregation")
+    assert result["feedback"]["sources"]["summary"] == "checks"
+    assert set(result["feedback"]["sources"]["strengths"]) == {"checks"} and result["feedback"]["issues"] == []
     reasons = result["review_reasons"]
     assert reasons[0].startswith("code-analysis answer unusable after a retry: no score for criteria aggregation")
     assert reasons[1] == "feedback answer unusable after a retry: the feedback has no summary"
@@ -140,7 +158,10 @@ def test_feedback_failure_alone_keeps_the_scores(rubric):
     fake = FakeGradingClient(feedback=["nope", "nope"])
     result = grade_notebook(NOTEBOOKS / "good_sales_analysis.ipynb", rubric, fake)
     assert result["status"] == "needs_review" and result["total"] == 40
-    assert result["feedback"] == {"issues": ["fake issue"]}
+    fb = result["feedback"]
+    assert fb["issues"] == ["Fake issue: cell 2 could check the revenue column for gaps first."]
+    assert fb["model_text"]["feedback"].startswith("not used: invalid after a retry: not valid JSON")
+    assert set(fb["sources"]["strengths"]) == {"checks"} and fb["strengths"]  # the checks' findings only
 
 
 def test_cut_off_answer_gets_more_room_on_retry(rubric):

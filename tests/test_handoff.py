@@ -5,8 +5,9 @@ import sys
 
 import pytest
 
-from disaggregated_inference import bundle, handoff
-from disaggregated_inference.api import KVRef
+from disaggregated_inference.kv import bundle
+from disaggregated_inference.kv import receive as handoff
+from disaggregated_inference.kv.receive import KVRef
 from disaggregated_inference.errors import BundleError, NotFound
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sizes the buffer on Linux only")
@@ -92,7 +93,7 @@ def test_fetch_names_what_differs_from_the_prefill_answer(bytes_server):
         handoff.fetch(KVRef(url=url, handle="abc", crc32c=header.payload_crc32c ^ 1), timeout=10)
     assert err.value.field == "kv.crc32c"
     gone = bytes_server("/kv/gone", b'{"error": "unknown KV handle"}', status=404)
-    with pytest.raises(NotFound, match="unknown KV handle") as err:
+    with pytest.raises(NotFound, match="has no KV bundle 'gone'") as err:
         handoff.fetch(KVRef(url=gone, handle="gone"), timeout=10)
     assert err.value.field == "kv.handle"
 

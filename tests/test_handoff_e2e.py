@@ -14,9 +14,9 @@ import time
 import pytest
 import requests
 
-from disaggregated_inference import bundle
-from disaggregated_inference import handoff as handoff_module
-from disaggregated_inference import launch
+from disaggregated_inference.kv import bundle
+from disaggregated_inference.kv import receive as handoff_module
+from disaggregated_inference.ops import launch
 from disaggregated_inference.backends import ModelSettings, Prompt, create
 
 from .conftest import THREADS
@@ -41,14 +41,18 @@ def reference():
     backend.load()
 
     def continue_in_process(prompt: str) -> tuple[list[int], str]:
-        prefilled = backend.prefill(Prompt(text=prompt))  # evaluates tokens[:-1], state stays in this context
-        llm = backend.llm
+        tokens, _ = backend.tokenize(Prompt(text=prompt))
         out = []
-        for token in llm.generate(prefilled.tokens, temp=0.0, top_k=40, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
-            if llama_cpp.llama_vocab_is_eog(llm._model.vocab, token) or len(out) == MAX_NEW:
-                break
-            out.append(token)
-        return prefilled.tokens, llm.detokenize(out).decode("utf-8", "replace")
+        with backend.sequence() as seq:
+            logits = backend.logits(seq, tokens[:-1]) if len(tokens) > 1 else None  # the prefill's evaluation
+            logits = backend.logits(seq, tokens[-1:], len(tokens) - 1)            # then its own continuation
+            while True:
+                token = int(logits.argmax())
+                if llama_cpp.llama_vocab_is_eog(backend.model.vocab, token) or len(out) == MAX_NEW:
+                    break
+                out.append(token)
+                logits = backend.logits(seq, [token], len(tokens) + len(out) - 1)
+        return tokens, backend.model.detokenize(out).decode("utf-8", "replace")
 
     yield continue_in_process
     backend.close()

@@ -6,9 +6,9 @@ import sys
 import pytest
 
 from disaggregated_inference import config as cluster_config
-from disaggregated_inference import launch
+from disaggregated_inference.ops import launch
 from disaggregated_inference.errors import ConfigError
-from disaggregated_inference.settings import ServerSettings, from_cluster
+from disaggregated_inference.server.settings import ServerSettings, from_cluster
 
 SETTING = f"{launch.NON_TEMPORAL}=262144"
 
@@ -72,7 +72,7 @@ def test_glibc_takes_the_threshold_from_the_environment_we_build():
 def test_the_server_command_runs_gunicorn_with_the_settings(glibc_x86):
     settings = ServerSettings(role="decode", name="decode-a", non_temporal_copy_bytes=1 << 20)
     cmd, env = launch.server_command(settings, "127.0.0.1:9001", {"HOME": "/home/x"})
-    assert cmd == [sys.executable, "-m", "gunicorn", "-c", "python:disaggregated_inference.gunicorn_conf"]
+    assert cmd == [sys.executable, "-m", "gunicorn", "-c", "python:disaggregated_inference.server.gunicorn_conf"]
     assert env["HOME"] == "/home/x" and env["DISAGG_BIND"] == "127.0.0.1:9001"
     assert env["DISAGG_PROC_NAME"] == "disagg-decode-a"
     assert json.loads(env["DISAGG_SERVER_SETTINGS"])["role"] == "decode"
@@ -99,7 +99,7 @@ def test_the_config_sets_the_threshold_and_checks_it():
 @pytest.mark.parametrize("from_environment", [None, "env-token"])
 def test_disagg_serve_takes_the_api_token_from_the_environment_over_the_config(
         tmp_path, monkeypatch, from_environment):
-    from disaggregated_inference import cli
+    from disaggregated_inference.ops import cli
 
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps(_config(api_token="config-token")))

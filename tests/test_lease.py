@@ -2,7 +2,7 @@
 import pytest
 
 from disaggregated_inference.errors import LeaseExpired, NotFound
-from disaggregated_inference.lease import LeaseTable
+from disaggregated_inference.kv.lease import LeaseTable
 
 
 class Clock:

@@ -26,9 +26,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from werkzeug.serving import make_server
 
-from disaggregated_inference import backends, decode, prefill
+from disaggregated_inference import backends
+from disaggregated_inference.server import decode
+from disaggregated_inference.server import prefill
 from disaggregated_inference.backends import ModelSettings, Prompt, Received, Sampling
-from disaggregated_inference.bundle import KIND_LLAMA_SEQ_STATE, KIND_TOKEN_IDS
+from disaggregated_inference.kv.bundle import KIND_LLAMA_SEQ_STATE, KIND_TOKEN_IDS
 from disaggregated_inference.errors import (BackendUnavailable, BadRequest, ContextOverflow, FingerprintMismatch,
                                             ModelNotFound, Overloaded, UpstreamError, UpstreamTimeout)
 
@@ -620,7 +622,9 @@ def clean_env(monkeypatch):
 
 
 def app_config(role: str, url: str, **model) -> dict:
-    return {"role": role, "model": {"backend": "ollama", "model": MODEL, "ollama_host": url, **model}}
+    # the decode app pulls KV from the prefill app served on a free loopback port
+    return {"role": role, "model": {"backend": "ollama", "model": MODEL, "ollama_host": url, **model},
+            "kv_sources": ["127.0.0.1"]}
 
 
 def wait_loaded(client, timeout: float = 10.0) -> dict:
@@ -698,8 +702,8 @@ def test_prefill_then_decode_through_the_servers(stub, prefill_url, decode_clien
 
 def test_decode_with_token_ids_and_a_fingerprint(decode_client):
     ids = tok(rendered_question())
-    ok = decode_client.post("/decode", json={"tokens": ids, "fingerprint": {"backend": "ollama",
-                                                                           "ollama_model": MODEL}})
+    ok = decode_client.post("/decode", json={"tokens": ids, "fingerprint": {"backend": "ollama", "ollama_model": MODEL,
+                                                                           "model_digest": DIGEST}})
     assert ok.status_code == 200 and ok.get_json()["generated_text"] == answer_for(rendered_question())
     other = decode_client.post("/decode", json={"tokens": ids, "fingerprint": {"backend": "ollama",
                                                                               "ollama_model": "llama3:8b"}})
@@ -788,3 +792,53 @@ def test_ollama_not_running_fails_the_load_naming_the_host(refused_url, apps):
     health = wait_loaded(client)
     assert health["status"] == "unhealthy" and refused_url in health["error"]
     assert client.post("/generate", json={"prompt": QUESTION}).status_code == 503
+
+
+def test_a_bundle_from_another_digest_of_the_same_name_is_refused(stub, prefill_url, apps):
+    """The fingerprint's model_digest is checked: the same tag pulled on another day can be other weights."""
+    import requests
+
+    pre = requests.post(f"{prefill_url}/prefill", json={"prompt": QUESTION}, timeout=10).json()
+    assert pre["fingerprint"]["model_digest"] == DIGEST
+    stub.models[MODEL]["digest"] = "cd" * 32  # the decode machine's Ollama lists other weights under MODEL
+    client = apps(decode, app_config("decode", stub.url)).test_client()
+    assert wait_loaded(client)["loaded"]
+    resp = client.post("/decode", json={"kv": pre["kv"]})
+    body = resp.get_json()
+    assert resp.status_code == 409 and body["code"] == "fingerprint_mismatch", body
+    assert "model_digest" in body["error"] and DIGEST in body["error"]
+    ids = tok(rendered_question())
+    same = client.post("/decode", json={"tokens": ids, "fingerprint": {**pre["fingerprint"], "model_digest": "cd" * 32}})
+    assert same.status_code == 200
+
+
+def test_ollama_requests_run_side_by_side_not_behind_one_thread(stub, apps):
+    """Ollama batches requests itself (OLLAMA_NUM_PARALLEL): the server keeps `parallel` of them in flight."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    lock, inflight, peak = threading.Lock(), [0], [0]
+    original = stub.handle
+
+    def slow_generate(handler, method):
+        if handler.path != "/api/generate":
+            return original(handler, method)
+        with lock:
+            inflight[0] += 1
+            peak[0] = max(peak[0], inflight[0])
+        try:
+            time.sleep(0.3)
+            return original(handler, method)
+        finally:
+            with lock:
+                inflight[0] -= 1
+
+    stub.handle = slow_generate
+    app = apps(decode, app_config("decode", stub.url, parallel=3))
+    assert wait_loaded(app.test_client())["loaded"]
+    peak[0] = 0
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda i: app.test_client().post(
+            "/generate", json={"prompt": QUESTION, "max_new_tokens": 5}), range(3)))
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    assert peak[0] == 3
+    assert app.test_client().get("/health").get_json()["slots"]["total"] == 3

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from disaggregated_inference import fingerprint, ollama_store
+from disaggregated_inference.kv import fingerprint
+from disaggregated_inference.backends import ollama_store
 from disaggregated_inference.errors import ModelNotFound
-from disaggregated_inference.models import resolve_gguf
+from disaggregated_inference.backends.gguf import resolve_gguf
 
 MANIFEST_TYPE = "application/vnd.docker.distribution.manifest.v2+json"
 TEMPLATE = "{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}<|im_start|>user\n{{ .Prompt }}"
@@ -197,7 +198,7 @@ def test_a_real_kv_handoff_on_the_gguf_ollama_pulled(store, gguf, tmp_path):
         pytest.skip("llama_cpp does not import here")
     import requests
 
-    from disaggregated_inference.cluster import LocalCluster
+    from disaggregated_inference.ops.cluster import LocalCluster
 
     _, hexdigest = gguf
     config = {

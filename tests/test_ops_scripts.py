@@ -21,7 +21,7 @@ import pytest
 import requests
 
 from disaggregated_inference import config as cluster_config
-from disaggregated_inference import launch
+from disaggregated_inference.ops import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"

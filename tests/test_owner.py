@@ -1,4 +1,5 @@
-"""The model-owner thread: one thread runs the backend, HTTP threads queue work and wait."""
+"""The model's owner: requests hold slots; a batched backend's requests are stepped together on one
+thread, other backends' requests run on the owner's worker threads; HTTP threads only wait."""
 import threading
 import time
 
@@ -6,11 +7,13 @@ import pytest
 
 from disaggregated_inference.backends.base import Event
 from disaggregated_inference.errors import BackendUnavailable, Overloaded
-from disaggregated_inference.owner import ModelOwner
+from disaggregated_inference.server.owner import ModelOwner
 
 
 class FakeBackend:
     """Records which thread ran each call; ``gate`` holds a job until released."""
+
+    slots = 1
 
     def __init__(self, load_delay=0.0, fail_load=False):
         self.load_delay, self.fail_load = load_delay, fail_load
@@ -54,7 +57,7 @@ def test_calls_run_on_the_owner_thread_not_the_caller():
     backend = FakeBackend()
     owner = ready_owner(backend)
     assert owner.call(lambda b: b.work(21)) == 42
-    assert backend.threads == ["model-owner"]
+    assert backend.threads == ["model-worker-0"]
     owner.close()
 
 
@@ -78,13 +81,14 @@ def test_work_not_picked_up_in_time_is_dropped_with_overloaded():
     first.start()
     time.sleep(0.05)
     started = time.monotonic()
-    with pytest.raises(Overloaded, match="did not pick the request up within 0.2s"):
+    with pytest.raises(Overloaded, match="no slot of 1 came free within 0.2s") as info:
         owner.call(lambda b: b.work(2))
+    assert info.value.details["retry_after"] == 1
     assert time.monotonic() - started < 1.0
     backend.gate.set()
     first.join()
     assert owner.call(lambda b: b.work(3)) == 6
-    assert backend.threads.count("model-owner") == 2  # the dropped job never ran
+    assert len(backend.threads) == 2  # the dropped job never ran
     owner.close()
 
 
@@ -112,3 +116,88 @@ def test_errors_raised_by_the_backend_reach_the_caller():
     with pytest.raises(ValueError, match="bad tokens"):
         owner.call(boom)
     assert owner.call(lambda b: b.work(4)) == 8
+
+
+def test_a_full_queue_is_refused_at_once_and_the_server_keeps_serving():
+    backend = FakeBackend()
+    owner = ready_owner(backend, queue_timeout=5, max_queue=1)
+    backend.gate.clear()
+    running = threading.Thread(target=lambda: owner.call(lambda b: b.work(1)))
+    running.start()
+    time.sleep(0.05)
+    waiting = threading.Thread(target=lambda: owner.call(lambda b: b.work(2)))
+    waiting.start()
+    time.sleep(0.05)
+    assert owner.slot_stats()["busy"] == 1 and owner.queued == 1
+    started = time.monotonic()
+    with pytest.raises(Overloaded, match="1 requests already wait for one of 1 slots"):
+        owner.call(lambda b: b.work(3))
+    assert time.monotonic() - started < 0.5  # not after queue_timeout
+    backend.gate.set()
+    running.join()
+    waiting.join()
+    assert owner.call(lambda b: b.work(4)) == 8
+    assert owner.slot_stats()["busy"] == 0
+
+
+class BatchedFake:
+    """A batched backend: requests are generators yielding Evals; evaluate() records each step's batch."""
+
+    batched = True
+    slots = 4
+
+    def __init__(self):
+        self.steps, self.free = [], [3, 2, 1, 0]
+
+    def load(self, progress):
+        pass
+
+    def close(self):
+        pass
+
+    def evaluate(self, evals):
+        self.steps.append(sorted(e.seq for e in evals))
+        for ev in evals:
+            ev.done = len(ev.tokens)
+            ev.row = ev.seq
+        return len(evals)
+
+    def count(self, n, cancelled):
+        from disaggregated_inference.backends.base import Eval
+
+        seq = self.free.pop()
+        try:
+            for i in range(n):
+                ev = Eval(seq, [i], i)
+                yield ev
+                yield Event(piece=f"{seq}:{ev.row}")
+            yield Event(metrics={"seq": seq})
+        finally:
+            self.free.append(seq)
+
+
+def test_a_batched_backend_steps_every_active_request_in_one_batch():
+    backend = BatchedFake()
+    owner = ready_owner(backend)
+    a = owner.stream(lambda b, cancelled: b.count(50, cancelled))
+    b_ = owner.stream(lambda b, cancelled: b.count(50, cancelled))
+    got_a, got_b = list(a), list(b_)
+    assert len(got_a) == len(got_b) == 51
+    seq_a, seq_b = got_a[-1].metrics["seq"], got_b[-1].metrics["seq"]
+    assert seq_a != seq_b
+    assert [e.piece for e in got_a[:-1]] == [f"{seq_a}:{seq_a}"] * 50  # each got its own row back
+    assert any(step == sorted([seq_a, seq_b]) for step in backend.steps)  # both advanced in one step
+    assert sorted(backend.free) == [0, 1, 2, 3] and owner.slot_stats()["busy"] == 0
+
+
+def test_a_cancelled_batched_stream_frees_its_slot_and_sequence():
+    backend = BatchedFake()
+    owner = ready_owner(backend)
+    stream = owner.stream(lambda b, cancelled: b.count(10_000, cancelled))
+    next(stream)
+    stream.close()
+    deadline = time.time() + 5
+    while (owner.slot_stats()["busy"] or len(backend.free) < 4) and time.time() < deadline:
+        time.sleep(0.01)
+    assert owner.slot_stats()["busy"] == 0 and sorted(backend.free) == [0, 1, 2, 3]
+    assert len(backend.steps) < 10_000

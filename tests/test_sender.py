@@ -6,8 +6,10 @@ import threading
 
 import pytest
 
-from disaggregated_inference import buffers, bundle, sender
-from disaggregated_inference.buffers import HUGE_THRESHOLD
+from disaggregated_inference.kv import buffers
+from disaggregated_inference.kv import bundle
+from disaggregated_inference.kv import send as sender
+from disaggregated_inference.kv.buffers import HUGE_THRESHOLD
 
 linux_only = pytest.mark.skipif(not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"),
                                 reason="in-memory files (memfd) are Linux's")

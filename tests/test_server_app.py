@@ -6,7 +6,8 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from disaggregated_inference import decode, prefill
+from disaggregated_inference.server import decode
+from disaggregated_inference.server import prefill
 
 TOKEN = "s3cret-token"
 
@@ -45,7 +46,8 @@ def auth(token=TOKEN):
 def test_health_describes_model_backend_handoff_and_resources(prefill_client):
     body = prefill_client.get("/health").get_json()
     assert body["status"] == "healthy" and body["loaded"] is True and body["role"] == "prefill"
-    assert body["model"] == "qwen" and body["backend"] == "llama_cpp" and body["handoff"] == "llama_seq_state"
+    assert body["model"] == "smollm2" and body["model_key"] == "qwen"  # the served model's name, then the key
+    assert body["backend"] == "llama_cpp" and body["handoff"] == "llama_seq_state"
     assert body["model_info"]["model_file"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert body["leases"]["held"] == 0
     assert body["resources"]["process_rss_bytes"] > 50_000_000

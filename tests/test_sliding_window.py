@@ -29,14 +29,6 @@ FILLER = ("Regional managers reported that revenue grew in the north, held stead
           "fell slightly in the south, while online orders rose for the third quarter running. ")
 
 
-def logits_after(backend, tokens) -> np.ndarray:
-    import llama_cpp
-
-    backend.llm.eval(tokens)
-    ptr = llama_cpp.llama_get_logits_ith(backend.llm._ctx.ctx, -1)
-    return np.ctypeslib.as_array(ptr, shape=(backend.llm.n_vocab(),)).copy()
-
-
 @pytest.fixture(scope="module", params=[True, False], ids=["flash_attn", "no_flash_attn"])
 def pair(request):
     settings = ModelSettings(model="gemma3-270m", n_threads=THREADS, n_ctx=4096, flash_attn=request.param)
@@ -50,14 +42,17 @@ def pair(request):
 
 def handoff_logits(pair, repeats: int):
     exporter, importer = pair
-    prefilled = exporter.prefill(Prompt(text=FILLER * repeats + "\nWhich region fell?"))
-    tokens = prefilled.tokens
-    received = Received(prefilled.kind, tokens, bytearray(prefilled.payload), prefilled.fingerprint)
-    importer.import_state(received)
-    imported = logits_after(importer, tokens[-1:])   # decode side: import, then the last prompt token
-    exported = logits_after(exporter, tokens[-1:])   # prefill side continuing from its own state
-    exporter.llm.reset()
-    one_shot = logits_after(exporter, tokens)        # the whole prompt in one evaluation
+    tokens, _ = exporter.tokenize(Prompt(text=FILLER * repeats + "\nWhich region fell?"))
+    with exporter.sequence() as seq:
+        exporter.logits(seq, tokens[:-1])                 # the prefill: all but the last token
+        payload = exporter.export_state(seq)
+        received = Received("llama_seq_state", tokens, bytearray(payload), exporter.fingerprint())
+        with importer.sequence() as dest:
+            importer.import_state(dest, received)
+            imported = importer.logits(dest, tokens[-1:], len(tokens) - 1)   # decode side: the last prompt token
+        exported = exporter.logits(seq, tokens[-1:], len(tokens) - 1)        # prefill side continuing its own state
+    with exporter.sequence() as seq:
+        one_shot = exporter.logits(seq, tokens)           # the whole prompt in one evaluation
     return len(tokens), imported, exported, one_shot
 
 

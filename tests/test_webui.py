@@ -38,7 +38,7 @@ def test_grade_the_examples(out_dir):
     assert len(fake.rounds) == 3  # the invalid notebook never reaches the models
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Submissions"] == "4" and metrics["Needs review"] == "1"
-    assert metrics["Parallel speedup"] == "1.67x" and metrics["Servers healthy"] == "4/4"
+    assert metrics["Requests in flight (mean)"] == "1.67" and metrics["Servers healthy"] == "4/4"
     table = at.dataframe[0].value
     assert list(table["submission"]) == ["errors_sales_analysis", "good_sales_analysis",
                                          "incomplete_sales_analysis", "not_a_notebook"]
@@ -51,6 +51,16 @@ def test_grade_the_examples(out_dir):
     at.selectbox(key="detail").select("good_sales_analysis").run()
     report = "\n".join(m.value for m in at.markdown)
     assert "**Score: 40 / 40**" in report and "Fake feedback" in report
+    # the same breakdown as the report: evidence score, bounded model adjustment, final score, the reasons
+    at.selectbox(key="detail").select("incomplete_sales_analysis").run()
+    breakdown = at.dataframe[1].value
+    assert list(breakdown["criterion"]) == ["data_loading", "aggregation", "visualisation", "interpretation",
+                                            "code_quality"]
+    assert list(breakdown["evidence"]) == [8, 0, 0, 0, 1.5]
+    assert list(breakdown["model adjustment"]) == [0, 2.5, 2.5, 1.5, 0]
+    assert list(breakdown["score"]) == [8, 2.5, 2.5, 1.5, 1.5]
+    assert "limited by the band of ±2.5" in breakdown["adjustment: why"][1]
+    assert "groupby is never called" in breakdown["evidence: why"][1]
 
     # graded again without "force": every result comes from the earlier run
     at.button(key="grade").click().run()
@@ -95,13 +105,14 @@ def test_dashboard():
     fake.generate(model="gpt-oss", prompt="p")
     at = AppTest.from_file(DASHBOARD, default_timeout=60)
     at.session_state["client"] = fake
-    at.session_state["batch"] = {"summary": {"inference": {"speedup": 1.8, "wall_time": 10.0,
-                                                           "sequential_time": 18.0, "prefill_time": 3.0,
+    at.session_state["batch"] = {"summary": {"inference": {"overlap": 1.8, "wall_time": 10.0,
+                                                           "request_time": 18.0, "prefill_time": 3.0,
                                                            "decode_time": 15.0}}}
     at.run()
     assert not at.exception
     metrics = {m.label: m.value for m in at.metric}
-    assert metrics["Healthy"] == "4/4" and metrics["Parallel speedup (last grading)"] == "1.80x"
+    assert metrics["Healthy"] == "4/4" and metrics["Requests in flight, mean (last grading)"] == "1.80"
+    assert metrics["Request time (sum)"] == "18.00 s" and not any("speedup" in label.lower() for label in metrics)
     per_model = [(m.label, m.value) for m in at.metric if m.label in ("Prefill (last)", "Decode (last)")]
     assert per_model == [("Prefill (last)", "0.50 s"), ("Decode (last)", "1.00 s"),   # gpt-oss
                          ("Prefill (last)", "0.25 s"), ("Decode (last)", "0.75 s")]   # qwen

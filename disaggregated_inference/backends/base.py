@@ -21,6 +21,8 @@ import abc
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Iterator
 
+from ..kv.receive import Received  # noqa: F401  (part of the interface: what decode() gets)
+
 
 @dataclass(frozen=True)
 class ModelSettings:
@@ -32,6 +34,7 @@ class ModelSettings:
     n_batch: int = 512
     n_gpu_layers: int = 0
     flash_attn: bool = True
+    parallel: int = 4  # requests served at once (llama.cpp: sequences of one context, each its own KV stream)
     type_k: str = "f16"
     type_v: str = "f16"
     ollama_host: str | None = None
@@ -77,28 +80,6 @@ class Prefilled:
     meta: dict = field(default_factory=dict)  # backend-specific extras that travel in the bundle header
 
 
-def _intact() -> None:
-    """A payload that needs no checking (token ids only, or built in this process)."""
-
-
-@dataclass
-class Received:
-    """A bundle as the decode side got it (header fields, token ids, payload).
-
-    ``verify()`` returns once the payload is known to be intact and raises
-    ``BundleError`` if it is not. A large payload's checksum is still finishing
-    when the bundle arrives, alongside the import: a backend imports, then calls
-    ``verify()``, and only then generates.
-    """
-
-    kind: str
-    tokens: list
-    payload: object
-    fingerprint: dict
-    meta: dict = field(default_factory=dict)
-    verify: Callable[[], None] = field(default=_intact, repr=False)
-
-
 @dataclass
 class Event:
     """One step of a generation: a text ``piece``, or the final ``metrics``."""
@@ -114,11 +95,57 @@ class Event:
 Cancelled = Callable[[], bool]
 
 
+@dataclass(eq=False)
+class Eval:
+    """What a batched backend's request asks of the model's owner thread: evaluate ``tokens`` of
+    sequence ``seq`` from position ``pos`` (the logits of the last one wanted when ``logits``).
+
+    The owner gathers the ``Eval`` of every active request into one batch per step
+    and hands the generator back its ``Eval`` once all of its tokens are in: then
+    ``row`` is the batch row holding the last token's logits, valid until the next
+    step. A long prompt is evaluated ``done`` tokens at a time, across steps.
+    """
+
+    seq: int
+    tokens: list
+    pos: int
+    logits: bool = True
+    done: int = 0
+    row: int = -1
+
+    @property
+    def complete(self) -> bool:
+        return self.done >= len(self.tokens)
+
+
+def rate(n, seconds: float):
+    """Tokens per second, rounded; None when there is nothing to divide."""
+    return round(n / seconds, 2) if n and seconds > 0 else None
+
+
+def check_fits(n_prompt: int, n_ctx: int, what: str = "this server's context") -> None:
+    """Refuse an empty prompt (400) or one that leaves no room in a context of ``n_ctx`` tokens."""
+    from ..errors import BadRequest, ContextOverflow
+
+    if n_prompt < 1:
+        raise BadRequest("the prompt has no tokens", field="prompt")
+    if n_prompt >= n_ctx:
+        raise ContextOverflow(f"prompt has {n_prompt} tokens; {what} holds {n_ctx}", field="prompt")
+
+
 class Backend(abc.ABC):
     name: ClassVar[str]
     handoff_kind: ClassVar[str]
     # bundle kinds decode() can continue from
     accepts: ClassVar[tuple] = ()
+    # batched backends' prefill/decode/generate are generators that yield Eval requests, and
+    # evaluate() runs one step of them; the others run each request to its end on a thread
+    batched: ClassVar[bool] = False
+
+    @property
+    def slots(self) -> int:
+        """How many requests this backend serves at once (``parallel`` in the config)."""
+        return max(1, self.settings.parallel)
 
     def __init__(self, settings: ModelSettings):
         self.settings = settings
@@ -143,6 +170,10 @@ class Backend(abc.ABC):
     def generate(self, prompt: Prompt, sampling: Sampling, cancelled: Cancelled) -> Iterator[Event]:
         ...
 
+    def receive_room(self) -> tuple[int, int]:
+        """Spare bytes (before, after) a received payload should have around it (see kv/buffers.with_room)."""
+        return (0, 0)
+
     def describe(self) -> dict:
         """Extra facts for /health (model file, context size, daemon state...).
 
@@ -153,3 +184,11 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         """Free the model."""
+
+    def served_model(self) -> str:
+        """The served model's own name, as /health reports it: ``ollama:qwen3-coder:30b`` serves
+        ``qwen3-coder:30b``, a GGUF path its file name, a built-in name itself (not the config key)."""
+        model = self.settings.model
+        if model.startswith("ollama:"):
+            return model[len("ollama:"):]
+        return model.replace("\\", "/").rsplit("/", 1)[-1] if model.lower().endswith(".gguf") else model

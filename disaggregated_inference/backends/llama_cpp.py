@@ -1,15 +1,27 @@
 """llama.cpp in-process (llama-cpp-python): the backend that really moves the KV cache.
 
 Prefill evaluates every prompt token but the last and exports that sequence's
-KV with the per-sequence state API; decode imports it, marks those tokens as
-already evaluated, and continues from the last prompt token, so the decode
-machine evaluates one prompt token instead of N. The monolithic ``generate``
-evaluates the prompt the same way (all but the last, then the last), so the
-fallback and the handoff give the same greedy text on full-attention models.
+KV with the per-sequence state API; decode imports it and continues from the
+last prompt token, so the decode machine evaluates one prompt token instead of
+N. The monolithic ``generate`` evaluates the prompt the same way (all but the
+last, then the last), so the fallback and the handoff give the same greedy text
+on full-attention models.
+
+**Slots and continuous batching.** One context holds ``parallel`` sequences,
+each in a KV stream of its own of ``n_ctx`` cells (so a request's numerics do
+not depend on its neighbours: ``kv/llama_state.py``). Every request is a
+generator that yields ``Eval`` requests; the owner thread (``server/owner.py``)
+gathers them and calls ``evaluate`` once per step: one ``llama_decode`` with a
+token for every generating sequence and, within ``n_batch``, the next fixed-size
+chunk of each prompt being evaluated (prefill, decode-only, recompute), so a
+long prompt never freezes the other streams. Requests join and leave between
+steps; sampling is per sequence (a ``llama_sampler`` chain: grammar, top-k,
+top-p, temperature, seeded distribution, or greedy).
 """
 from __future__ import annotations
 
 import codecs
+import contextlib
 import ctypes
 import json
 import os
@@ -18,14 +30,15 @@ import time
 from importlib.metadata import version as package_version
 from typing import Callable, Iterator
 
-from .. import fingerprint as fp
-from ..buffers import HUGE_THRESHOLD, sendable
-from ..bundle import KIND_LLAMA_SEQ_STATE, KIND_TOKEN_IDS
-from ..errors import BadRequest, BundleError, ContextOverflow, FingerprintMismatch
-from ..models import resolve_gguf
-from .base import Backend, Event, Prefilled, Prompt, Received, Sampling
+from ..kv import fingerprint as fp
+from ..kv import llama_state
+from ..kv import buffers
+from ..kv.buffers import HUGE_THRESHOLD, sendable
+from ..kv.bundle import KIND_LLAMA_SEQ_STATE, KIND_TOKEN_IDS
+from ..errors import BadRequest, BundleError, FingerprintMismatch
+from .gguf import resolve_gguf
+from .base import Backend, Eval, Event, Prefilled, Prompt, Received, Sampling, check_fits, rate
 
-SEQ = 0  # the one sequence a server's context holds
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 
 
@@ -43,29 +56,28 @@ FALLBACK_TEMPLATES = {
 }
 
 
-def _rate(n: int, seconds: float):
-    return round(n / seconds, 2) if seconds > 0 else None
-
-
 class LlamaCppBackend(Backend):
     name = "llama_cpp"
     handoff_kind = KIND_LLAMA_SEQ_STATE
     accepts = (KIND_LLAMA_SEQ_STATE, KIND_TOKEN_IDS)
+    batched = True
 
     def __init__(self, settings):
         super().__init__(settings)
-        self.llm = None
+        self.model = self.ctx = self._batch = None
         self.model_path = None
         self._fingerprint: dict = {}
         self._formatter = None
         self._template_source = None
-        self._evaluated = 0  # prompt tokens evaluated by the current generation (counted, not derived)
+        self._free: list[int] = []
         self._state_bytes_per_token = 0.0  # of the last export: sizes the next export buffer in advance
+        self._batch_capacity = 0
 
     # -- loading ---------------------------------------------------------------------------------
 
     def load(self, progress: Callable[[str], None] = lambda message: None) -> None:
         import llama_cpp
+        from llama_cpp import _internals
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         s = self.settings
@@ -74,46 +86,57 @@ class LlamaCppBackend(Backend):
                 raise BadRequest(f"{key} must be one of {', '.join(KV_TYPES)}", field=key)
         self.model_path = resolve_gguf(s.model, progress)
         digest = fp.file_sha256(self.model_path, progress)
-        progress(f"loading {os.path.basename(self.model_path)} "
-                 f"({os.path.getsize(self.model_path) / 1e6:.0f} MB, n_ctx={s.n_ctx}, gpu_layers={s.n_gpu_layers})")
+        progress(f"loading {os.path.basename(self.model_path)} ({os.path.getsize(self.model_path) / 1e6:.0f} MB, "
+                 f"n_ctx={s.n_ctx} x {self.slots} slots, gpu_layers={s.n_gpu_layers})")
         started = time.perf_counter()
-        self.llm = llama_cpp.Llama(
-            model_path=str(self.model_path), n_ctx=s.n_ctx, n_batch=s.n_batch, n_threads=s.n_threads,
-            n_gpu_layers=s.n_gpu_layers, flash_attn=s.flash_attn, type_k=KV_TYPES[s.type_k],
-            type_v=KV_TYPES[s.type_v], verbose=False,
-        )
-        # Count the tokens each generation really evaluates (llama-cpp-python skips a cached prefix).
-        evaluate = self.llm.eval
+        from llama_cpp._logger import set_verbose
 
-        def counting_eval(tokens):
-            self._evaluated += len(tokens)
-            return evaluate(tokens)
-
-        self.llm.eval = counting_eval
-        model = self.llm._model.model
-        meta = self.llm.metadata
+        set_verbose(False)  # llama.cpp's own log lines (Llama(verbose=False) does the same)
+        llama_cpp.llama_backend_init()
+        mp = llama_cpp.llama_model_default_params()
+        mp.n_gpu_layers = s.n_gpu_layers
+        self.model = _internals.LlamaModel(path_model=str(self.model_path), params=mp, verbose=False)
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_seq_max = self.slots
+        cp.kv_unified = False  # a KV stream per slot: see kv/llama_state.py
+        cp.n_ctx = s.n_ctx * self.slots
+        self._batch_capacity = s.n_batch + self.slots  # one prompt chunk plus a token for every slot
+        cp.n_batch = self._batch_capacity
+        cp.n_ubatch = min(512, s.n_batch)
+        threads = s.n_threads or max(1, (os.cpu_count() or 2) // 2)
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.flash_attn_type = 1 if s.flash_attn else 0
+        cp.type_k, cp.type_v = KV_TYPES[s.type_k], KV_TYPES[s.type_v]
+        self.ctx = _internals.LlamaContext(model=self.model, params=cp, verbose=False)
+        self._batch = llama_cpp.llama_batch_init(self._batch_capacity, 0, 1)
+        self._free = list(range(self.slots - 1, -1, -1))
+        meta = self.model.metadata()
         template = meta.get("tokenizer.chat_template")
         self._template_source = "gguf" if template else None
         if not template and meta.get("general.architecture") in FALLBACK_TEMPLATES:
             template = FALLBACK_TEMPLATES[meta["general.architecture"]]
             self._template_source = f"builtin:{meta['general.architecture']}"
         if template:
-            eos, bos = self.llm.token_eos(), self.llm.token_bos()
+            eos, bos = self.model.token_eos(), self.model.token_bos()
             self._formatter = Jinja2ChatFormatter(
                 template=template,
-                eos_token=self.llm._model.token_get_text(eos) if eos != -1 else "",
-                bos_token=self.llm._model.token_get_text(bos) if bos != -1 else "",
+                eos_token=self.model.token_get_text(eos) if eos != -1 else "",
+                bos_token=self.model.token_get_text(bos) if bos != -1 else "",
             )
+        arch = meta.get("general.architecture")
         self._fingerprint = {
             "backend": self.name,
             "library": "llama-cpp-python",
             "library_version": package_version("llama-cpp-python"),
             "model_sha256": digest,
             "model_file": os.path.basename(self.model_path),
-            "arch": meta.get("general.architecture"),
-            "n_layer": llama_cpp.llama_model_n_layer(model),
-            "n_embd": llama_cpp.llama_model_n_embd(model),
-            "n_swa": llama_cpp.llama_model_n_swa(model),
+            "arch": arch,
+            "n_layer": llama_cpp.llama_model_n_layer(self.model.model),
+            "n_embd": llama_cpp.llama_model_n_embd(self.model.model),
+            "n_swa": llama_cpp.llama_model_n_swa(self.model.model),
+            "n_vocab": self.model.n_vocab(),
+            "n_expert": int(meta.get(f"{arch}.expert_count", 0) or 0),
+            "n_expert_used": int(meta.get(f"{arch}.expert_used_count", 0) or 0),
             "type_k": s.type_k,
             "type_v": s.type_v,
             "flash_attn": bool(s.flash_attn),
@@ -124,16 +147,27 @@ class LlamaCppBackend(Backend):
     def fingerprint(self) -> dict:
         return dict(self._fingerprint)
 
+    def metadata(self) -> dict:
+        """The GGUF's metadata (architecture, head counts, RoPE...), as llama.cpp read it."""
+        return self.model.metadata()
+
     def describe(self) -> dict:
-        return {"model_file": str(self.model_path), "n_ctx": self.settings.n_ctx,
+        return {"model_file": str(self.model_path), "n_ctx": self.settings.n_ctx, "parallel": self.slots,
                 "arch": self._fingerprint.get("arch"), "n_swa": self._fingerprint.get("n_swa"),
+                "n_vocab": self._fingerprint.get("n_vocab"),
                 "library_version": self._fingerprint.get("library_version"),
                 "chat_template": self._template_source}
 
     def close(self) -> None:
-        if self.llm is not None:
-            self.llm.close()
-            self.llm = None
+        import llama_cpp
+
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        for obj in (self.ctx, self.model):
+            if obj is not None:
+                obj.close()
+        self.ctx = self.model = None
 
     # -- prompt -> tokens ------------------------------------------------------------------------
 
@@ -141,7 +175,7 @@ class LlamaCppBackend(Backend):
         """Token ids of a prompt and the stop strings its chat template adds."""
         if prompt.raw or (self._formatter is None and prompt.messages is None):
             text = prompt.text if prompt.system is None else f"{prompt.system}\n\n{prompt.text}"
-            return self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=False), ()
+            return self.model.tokenize(text.encode("utf-8"), add_bos=True, special=False), ()
         if self._formatter is None:
             raise BadRequest("this model has no chat template; send 'prompt' with 'raw': true", field="messages")
         messages = list(prompt.messages or ({"role": "user", "content": prompt.text},))
@@ -151,24 +185,107 @@ class LlamaCppBackend(Backend):
             rendered = self._formatter(messages=messages)
         except Exception as exc:  # the template's own raise_exception, or a jinja error
             raise BadRequest(f"chat template rejected the messages: {exc}", field="messages") from None
-        tokens = self.llm.tokenize(rendered.prompt.encode("utf-8"), add_bos=not rendered.added_special, special=True)
+        tokens = self.model.tokenize(rendered.prompt.encode("utf-8"), add_bos=not rendered.added_special,
+                                     special=True)
         return tokens, tuple(s for s in rendered.stop if s)
 
     def _check_fits(self, n_prompt: int) -> None:
-        if n_prompt < 1:
-            raise BadRequest("the prompt has no tokens", field="prompt")
-        if n_prompt >= self.settings.n_ctx:
-            raise ContextOverflow(f"prompt has {n_prompt} tokens; this server's context holds {self.settings.n_ctx}",
-                                  field="prompt")
+        check_fits(n_prompt, self.settings.n_ctx)
+
+    # -- slots and the batch ---------------------------------------------------------------------
+
+    def _acquire(self) -> int:
+        """A free sequence (slot). The owner admits no more requests than there are slots."""
+        if not self._free:
+            raise RuntimeError("no free slot: the owner admitted more requests than there are slots")
+        return self._free.pop()
+
+    def _release(self, seq: int) -> None:
+        import llama_cpp
+
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx.ctx), seq, -1, -1)
+        self._free.append(seq)
+
+    def evaluate(self, evals: list[Eval]) -> int:
+        """One step: one ``llama_decode`` over the pending requests; returns the batch's token count.
+
+        Single tokens (generating sequences) all go in; then each prompt's next
+        chunk of ``n_batch`` tokens (chunk boundaries fixed from the prompt's
+        start, so its numerics never depend on what ran beside it) while room is
+        left. An ``Eval`` whose tokens are all in gets ``row``.
+        """
+        import llama_cpp
+
+        b, n, room = self._batch, 0, self._batch_capacity
+        chunk = self.settings.n_batch
+        placed = []
+        for ev in sorted(evals, key=lambda e: len(e.tokens) - e.done):
+            take = min(chunk, len(ev.tokens) - ev.done)
+            if take > room - n:
+                continue
+            for i in range(ev.done, ev.done + take):
+                b.token[n] = ev.tokens[i]
+                b.pos[n] = ev.pos + i
+                b.n_seq_id[n] = 1
+                b.seq_id[n][0] = ev.seq
+                b.logits[n] = ev.logits and i == len(ev.tokens) - 1
+                n += 1
+            placed.append((ev, take, n - 1))
+        if not n:
+            return 0
+        b.n_tokens = n
+        rc = llama_cpp.llama_decode(self.ctx.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed ({rc}) for a batch of {n} tokens")
+        for ev, take, last in placed:
+            ev.done += take
+            if ev.complete:
+                ev.row = last
+        return n
+
+    # -- in-process use (tests, benchmarks, tools): one request at a time on the calling thread -----
+
+    def run(self, request):
+        """Drive one request generator (``prefill``/``decode``/``generate``) to its end here, alone in
+        every batch; returns (the events it yielded, its return value)."""
+        events = []
+        try:
+            while True:
+                item = next(request)
+                if isinstance(item, Eval):
+                    while not item.complete:
+                        self.evaluate([item])
+                else:
+                    events.append(item)
+        except StopIteration as stop:
+            return events, stop.value
+
+    @contextlib.contextmanager
+    def sequence(self):
+        """A slot of this context for in-process use; its cells are freed afterwards."""
+        seq = self._acquire()
+        try:
+            yield seq
+        finally:
+            self._release(seq)
+
+    def logits(self, seq: int, tokens: list[int], pos: int = 0):
+        """Evaluate ``tokens`` into ``seq`` from ``pos``; the last one's next-token logits (a numpy copy)."""
+        import llama_cpp
+        import numpy as np
+
+        ev = Eval(seq, list(tokens), pos)
+        while not ev.complete:
+            self.evaluate([ev])
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx.ctx, ev.row)
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab(),)).copy()
+
+    def _evaluate_all_but_last(self, seq: int, tokens: list[int]):
+        """Generator: evaluate ``tokens[:-1]`` into ``seq``; returns its own time (queue time excluded)."""
+        if len(tokens) > 1:
+            yield Eval(seq, tokens[:-1], 0, logits=False)
 
     # -- the handoff -----------------------------------------------------------------------------
-
-    def _evaluate_all_but_last(self, tokens: list[int]) -> float:
-        self.llm.reset()
-        started = time.perf_counter()
-        if len(tokens) > 1:
-            self.llm.eval(tokens[:-1])
-        return time.perf_counter() - started
 
     def _prepare_buffer(self, n_tokens: int) -> Callable[[], object | None]:
         """Allocate and touch the export buffer on another thread while the prompt is evaluated.
@@ -196,66 +313,83 @@ class LlamaCppBackend(Backend):
             return ready[0] if ready else None
         return wait
 
-    def export_state(self, prepared=None) -> memoryview:
-        """The current sequence's KV as a buffer (the one extra copy on this side), in a sendable file."""
+    def receive_room(self) -> tuple[int, int]:
+        """Spare bytes a received state needs before and after it to be converted in place."""
+        return llama_state.extra_room(self.slots) if self.slots > 1 else (0, 0)
+
+    def export_state(self, seq: int, prepared=None) -> memoryview:
+        """Sequence ``seq``'s KV as a buffer (the one extra copy on this side), in its single-stream form."""
         import llama_cpp
 
-        ctx = self.llm._ctx.ctx
-        size = llama_cpp.llama_state_seq_get_size(ctx, SEQ)
+        size = llama_cpp.llama_state_seq_get_size(self.ctx.ctx, seq)
         # a prepared buffer serves if it is large enough and wastes at most a quarter
         buf = prepared if prepared is not None and size <= len(prepared) <= 1.25 * size + (1 << 20) else sendable(size)
-        written = llama_cpp.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, SEQ)
+        written = llama_cpp.llama_state_seq_get_data(self.ctx.ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, seq)
         if written == 0 and size:
             raise RuntimeError("llama_state_seq_get_data wrote nothing")
-        return memoryview(buf)[:written]
+        return llama_state.to_single_stream(memoryview(buf)[:written])
 
-    def import_state(self, received: Received) -> float:
-        """Load a bundle's KV into this context; afterwards ``received.payload`` is dropped."""
+    def import_state(self, seq: int, received: Received) -> float:
+        """Load a bundle's KV into sequence ``seq``; afterwards ``received.payload`` is dropped."""
         import llama_cpp
 
-        tokens = received.tokens
         started = time.perf_counter()
-        self.llm.reset()
-        ctx = self.llm._ctx.ctx
-        payload = received.payload
-        n = len(payload)
+        payload = memoryview(received.payload).cast("B")
+        head, tail = self.receive_room()
+        if self.slots > 1:
+            # the conversion rewrites the state's first bytes, which the checksum may still be reading:
+            # with one slot there is nothing to convert, and the check overlaps the import instead
+            received.verify()
         try:
-            src = (ctypes.c_uint8 * n).from_buffer(payload)  # writable buffers: no copy
+            room = buffers.room_around(payload, head, tail)
+            if room is None:  # not received with room around it (in-process use): one copy
+                room = memoryview(bytearray(head + len(payload) + tail))
+                room[head:head + len(payload)] = payload
+            state = llama_state.to_streams(room, self.slots, head, tail)
+        except llama_state.StateLayoutError as exc:
+            raise BundleError(f"KV state is not one this server can read: {exc}", field="kv") from None
+        n = len(state)
+        try:
+            src = (ctypes.c_uint8 * n).from_buffer(state)  # writable buffers: no copy
         except TypeError:
-            src = (ctypes.c_uint8 * n).from_buffer_copy(payload)
-        ok = llama_cpp.llama_state_seq_set_data(ctx, src, n, SEQ)
-        del src
+            src = (ctypes.c_uint8 * n).from_buffer_copy(state)
+        ok = llama_cpp.llama_state_seq_set_data(self.ctx.ctx, src, n, seq)
+        del src, state, room, payload
         received.payload = None  # free the received copy as soon as llama.cpp holds the state
+        mem = llama_cpp.llama_get_memory(self.ctx.ctx)
         try:
             received.verify()  # its checksum ran alongside the import: nothing is generated from bytes it refuses
         except BundleError:
-            self.llm.reset()
+            llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
             raise
         if not ok:
             raise BundleError("llama.cpp refused the KV state (layout does not match this context)", field="kv")
-        k = len(tokens) - 1
-        mem = llama_cpp.llama_get_memory(ctx)
-        pos_max = llama_cpp.llama_memory_seq_pos_max(mem, SEQ)
+        k = len(received.tokens) - 1
+        pos_max = llama_cpp.llama_memory_seq_pos_max(mem, seq)
         if pos_max != k - 1:
-            self.llm.reset()
-            raise BundleError(f"KV state covers positions up to {pos_max}, but the bundle's {len(tokens)} token ids "
-                              f"need {k - 1}", field="kv")
-        self.llm.input_ids[:k] = tokens[:-1]
-        self.llm.n_tokens = k
+            llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
+            raise BundleError(f"KV state covers positions up to {pos_max}, but the bundle's {len(received.tokens)} "
+                              f"token ids need {k - 1}", field="kv")
         return time.perf_counter() - started
 
-    def prefill(self, prompt: Prompt) -> Prefilled:
+    def prefill(self, prompt: Prompt):
         t0 = time.perf_counter()
         tokens, stops = self.tokenize(prompt)
         tokenize_time = time.perf_counter() - t0
         self._check_fits(len(tokens))
-        prepared = self._prepare_buffer(len(tokens) - 1)
-        prefill_time = self._evaluate_all_but_last(tokens)
-        buffer = prepared()
-        t1 = time.perf_counter()
-        payload = self.export_state(buffer)
-        export_time = time.perf_counter() - t1
-        del buffer
+        seq = self._acquire()
+        try:
+            prepared = self._prepare_buffer(len(tokens) - 1)
+            t1 = time.perf_counter()
+            yield from self._evaluate_all_but_last(seq, tokens)
+            prefill_time = time.perf_counter() - t1
+            buffer = prepared()
+            t2 = time.perf_counter()
+            payload = self.export_state(seq, buffer)
+            export_time = time.perf_counter() - t2
+            del buffer
+        finally:
+            self._release(seq)
         self._state_bytes_per_token = len(payload) / max(1, len(tokens) - 1)
         evaluated = len(tokens) - 1
         return Prefilled(
@@ -263,49 +397,53 @@ class LlamaCppBackend(Backend):
             meta={"stop": list(stops)},
             metrics={"prompt_tokens": len(tokens), "prompt_tokens_evaluated": evaluated,
                      "tokenize_time": round(tokenize_time, 6), "prefill_time": round(prefill_time, 6),
-                     "prefill_speed": _rate(evaluated, prefill_time), "kv_export_time": round(export_time, 6),
+                     "prefill_speed": rate(evaluated, prefill_time), "kv_export_time": round(export_time, 6),
                      "kv_bytes": len(payload)},
         )
 
-    def decode(self, received: Received, sampling: Sampling, cancelled) -> Iterator[Event]:
+    def decode(self, received: Received, sampling: Sampling, cancelled) -> Iterator:
         started = time.perf_counter()
         self._check_fits(len(received.tokens))
         stops = tuple(received.meta.get("stop", ()))
-        if received.kind == KIND_LLAMA_SEQ_STATE:
-            load_time = self.import_state(received)
-            method = "kv_handoff"
-            self._evaluated = 0
-        elif received.kind == KIND_TOKEN_IDS:  # only ids arrived: recompute the prompt here
-            load_time = 0.0
-            self._evaluated = 0
-            self._evaluate_all_but_last(received.tokens)
-            method = "token_ids_recompute"
-        else:
-            raise FingerprintMismatch(f"this llama.cpp server cannot continue a {received.kind!r} bundle", field="kv")
-        yield from self._continue(received.tokens, sampling, stops, cancelled=cancelled, started=started,
-                                  extra={"kv_load_time": round(load_time, 6), "method": method})
+        sampler = self._sampler(sampling)
+        seq = self._acquire()
+        try:
+            if received.kind == KIND_LLAMA_SEQ_STATE:
+                load_time = self.import_state(seq, received)
+                method, recomputed = "kv_handoff", 0
+            elif received.kind == KIND_TOKEN_IDS:  # only ids arrived: recompute the prompt here
+                load_time, method, recomputed = 0.0, "token_ids_recompute", len(received.tokens) - 1
+                yield from self._evaluate_all_but_last(seq, received.tokens)
+            else:
+                raise FingerprintMismatch(f"this llama.cpp server cannot continue a {received.kind!r} bundle",
+                                          field="kv")
+            yield from self._continue(seq, received.tokens, sampler, sampling, stops, cancelled=cancelled,
+                                      started=started, recomputed=recomputed,
+                                      extra={"kv_load_time": round(load_time, 6), "method": method})
+        finally:
+            self._release(seq)
 
-    def generate(self, prompt: Prompt, sampling: Sampling, cancelled) -> Iterator[Event]:
+    def generate(self, prompt: Prompt, sampling: Sampling, cancelled) -> Iterator:
         started = time.perf_counter()
         tokens, stops = self.tokenize(prompt)
         self._check_fits(len(tokens))
-        self._evaluated = 0
-        self._evaluate_all_but_last(tokens)
-        yield from self._continue(tokens, sampling, stops, cancelled=cancelled, started=started,
-                                  extra={"kv_load_time": 0.0, "method": "decode_only"})
+        sampler = self._sampler(sampling)
+        seq = self._acquire()
+        try:
+            yield from self._evaluate_all_but_last(seq, tokens)
+            yield from self._continue(seq, tokens, sampler, sampling, stops, cancelled=cancelled, started=started,
+                                      recomputed=len(tokens) - 1,
+                                      extra={"kv_load_time": 0.0, "method": "decode_only"})
+        finally:
+            self._release(seq)
 
     # -- the token loop --------------------------------------------------------------------------
 
-    def _continue(self, tokens, sampling: Sampling, stops, *, cancelled, started, extra):
-        """Sample from the state this context holds; ``tokens`` is the whole prompt.
+    def _sampler(self, sampling: Sampling):
+        """A sampler chain for one request: grammar first, then greedy, or top-k/top-p/temperature/seed."""
+        from llama_cpp import _internals
 
-        ``self._evaluated`` must have been zeroed before the prompt work of this
-        request began, so that ``prompt_tokens_recomputed`` counts all of it.
-        """
-        import llama_cpp
-
-        llm = self.llm
-        grammar = None
+        sampler = _internals.LlamaSampler()
         if sampling.json_schema is not None:
             from llama_cpp.llama_grammar import LlamaGrammar
 
@@ -313,50 +451,68 @@ class LlamaCppBackend(Backend):
                 grammar = LlamaGrammar.from_json_schema(json.dumps(sampling.json_schema), verbose=False)
             except Exception as exc:
                 raise BadRequest(f"json_schema cannot be turned into a grammar: {exc}", field="json_schema") from None
-        if sampling.seed is not None:
-            llm.set_seed(sampling.seed)
+            sampler.add_grammar(self.model, grammar)
+        if sampling.temperature <= 0:
+            sampler.add_greedy()
+        else:
+            if sampling.top_k > 0:
+                sampler.add_top_k(sampling.top_k)
+            sampler.add_top_p(sampling.top_p, 1)
+            sampler.add_temp(sampling.temperature)
+            seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
+            sampler.add_dist(seed & 0xFFFFFFFF)
+        return sampler
+
+    def _continue(self, seq, tokens, sampler, sampling: Sampling, stops, *, cancelled, started, recomputed, extra):
+        """Evaluate the prompt's last token in ``seq`` (which holds the rest), then sample the answer."""
+        import llama_cpp
+
         stop = tuple(sampling.stop) + tuple(s for s in stops if s not in sampling.stop)
         hold = max((len(s) for s in stop), default=1) - 1
-        vocab = llm._model.vocab
+        vocab = self.model.vocab
         budget = min(sampling.max_new_tokens, self.settings.n_ctx - len(tokens))
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         text, sent, generated, finish, cut_at_stop = "", 0, 0, "length", False
-        first_at = None
         t_gen = time.perf_counter()
-        for token in llm.generate(tokens, top_k=sampling.top_k, top_p=sampling.top_p, min_p=0.0,
-                                  temp=sampling.temperature, repeat_penalty=1.0, grammar=grammar):
-            if first_at is None:
-                first_at = time.perf_counter()
-                prompt_evaluated = self._evaluated
+        ev = Eval(seq, [tokens[-1]], len(tokens) - 1)
+        yield ev
+        recomputed += 1
+        first_at = time.perf_counter()
+        pos = len(tokens)
+        while True:
+            token = llama_cpp.llama_sampler_sample(sampler.sampler, self.ctx.ctx, ev.row)
             if llama_cpp.llama_vocab_is_eog(vocab, token):
                 finish = "stop"
                 break
             generated += 1
-            text += decoder.decode(llm.detokenize([token], special=False))
+            text += decoder.decode(self.model.detokenize([token], special=False))
             cut = min((i for i in (text.find(s, max(0, sent - hold)) for s in stop) if i >= 0), default=-1)
             if cut >= 0:
                 text, finish, cut_at_stop = text[:cut], "stop", True
                 break
             upto = max(sent, len(text) - hold) if stop else len(text)
-            yield Event(piece=text[sent:upto])
+            if upto > sent:
+                yield Event(piece=text[sent:upto])
             sent = upto
             if generated >= budget or cancelled():
                 finish = "cancelled" if cancelled() else "length"
                 break
+            ev = Eval(seq, [token], pos)
+            pos += 1
+            yield ev
+        sampler.close()
         if not cut_at_stop:
             text += decoder.decode(b"", final=True)
         if len(text) > sent:
             yield Event(piece=text[sent:])
         ended = time.perf_counter()
-        if first_at is None:
-            first_at, prompt_evaluated = ended, self._evaluated
         decode_time = ended - t_gen
         metrics = {
             "prompt_tokens": len(tokens),
-            "prompt_tokens_recomputed": prompt_evaluated,
+            "prompt_tokens_recomputed": recomputed,
             "completion_tokens": generated,
             "decode_time": round(decode_time, 6),
-            "decode_speed": _rate(generated, decode_time),
+            "decode_speed": rate(generated, decode_time),
             "first_token_time": round(first_at - t_gen, 6),
             "backend_time": round(ended - started, 6),
             "finish_reason": finish,
@@ -364,5 +520,5 @@ class LlamaCppBackend(Backend):
         }
         if extra["method"] != "kv_handoff":  # the prompt was computed here: say how long it took
             metrics["prompt_eval_time"] = round(t_gen - started, 6)
-            metrics["prompt_eval_speed"] = _rate(len(tokens), t_gen - started)
+            metrics["prompt_eval_speed"] = rate(len(tokens), t_gen - started)
         yield Event(metrics=metrics)

@@ -70,10 +70,10 @@ from typing import Callable, Iterator
 import httpx
 import ollama
 
-from ..bundle import KIND_TOKEN_IDS
-from ..errors import (BackendUnavailable, BadRequest, ContextOverflow, DisaggError, FingerprintMismatch,
+from ..kv.bundle import KIND_TOKEN_IDS
+from ..errors import (BackendUnavailable, BadRequest, DisaggError, FingerprintMismatch,
                       ModelNotFound, Overloaded, UpstreamError, UpstreamTimeout)
-from .base import Backend, Event, Prefilled, Prompt, Received, Sampling
+from .base import Backend, Event, Prefilled, Prompt, Received, Sampling, check_fits, rate
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +89,6 @@ BUSY_RETRY_AFTER = 2
 
 def _seconds(ns) -> float:
     return round((ns or 0) / 1e9, 6)
-
-
-def _rate(n, seconds: float):
-    return round(n / seconds, 2) if n and seconds > 0 else None
 
 
 def canonical_name(name: str) -> str:
@@ -230,6 +226,9 @@ class OllamaBackend(Backend):
         info["ready"] = bool(info.get("ollama_answers") and info.get("model_pulled"))
         return info
 
+    def served_model(self) -> str:
+        return self.model_name  # as Ollama lists it once loaded ("qwen3-coder:30b")
+
     def close(self) -> None:
         self.client.close()
         self._http.close()
@@ -276,12 +275,7 @@ class OllamaBackend(Backend):
         return request
 
     def _check_fits(self, n_prompt: int) -> None:
-        n_ctx = self.runner_options()["num_ctx"]
-        if n_prompt < 1:
-            raise BadRequest("the prompt has no tokens", field="prompt")
-        if n_prompt >= n_ctx:
-            raise ContextOverflow(f"prompt has {n_prompt} tokens; this server's Ollama context (num_ctx) holds {n_ctx}",
-                                  field="prompt")
+        check_fits(n_prompt, self.runner_options()["num_ctx"], "this server's Ollama context (num_ctx)")
 
     # -- the handoff -----------------------------------------------------------------------------
 
@@ -315,7 +309,7 @@ class OllamaBackend(Backend):
         return Prefilled(
             kind=KIND_TOKEN_IDS, tokens=tokens, payload=b"", fingerprint=self.fingerprint(),
             metrics={"prompt_tokens": n_prompt, "context_tokens": len(tokens),
-                     "prefill_time": prefill_time, "prefill_speed": _rate(n_prompt, prefill_time),
+                     "prefill_time": prefill_time, "prefill_speed": rate(n_prompt, prefill_time),
                      "sample_time": _seconds(resp.eval_duration), "ollama_load_time": _seconds(resp.load_duration),
                      "ollama_total_time": _seconds(resp.total_duration),
                      "backend_time": round(time.perf_counter() - started, 6)},
@@ -388,9 +382,9 @@ class OllamaBackend(Backend):
             "prompt_tokens_recomputed": n_prompt,
             "completion_tokens": n_out,
             "decode_time": decode_time,
-            "decode_speed": _rate(n_out, decode_time),
+            "decode_speed": rate(n_out, decode_time),
             "prompt_eval_time": prompt_time,
-            "prompt_eval_speed": _rate(n_prompt, prompt_time),
+            "prompt_eval_speed": rate(n_prompt, prompt_time),
             "ollama_load_time": _seconds(final.load_duration),
             "ollama_total_time": _seconds(final.total_duration),
             "kv_load_time": 0.0,

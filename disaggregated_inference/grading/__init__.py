@@ -4,9 +4,11 @@
 2. ``evidence``   - what the code and its saved outputs demonstrably contain (no model);
 3. ``analysis``   - a code-analysis model scores, a feedback model writes, both at once,
                     JSON-schema constrained;
-4. ``validation`` - answers checked, retried once, clamped and reconciled with the evidence.
+4. ``validation`` - answers checked (schema, then ``quality``), retried once with another seed or
+                    dropped; each criterion scored from its evidence (``scoring``), moved by the
+                    model within a band; ``feedback`` grounded in the checks' findings.
 
-``grader.grade_notebook`` runs them for one file, ``batch.grade_batch`` for a folder,
+``grader.grade_notebook`` runs them for one file, ``batch.grade_batch`` for a folder (``jobs`` at once),
 ``report`` writes what comes out. Importing this package loads no model library.
 """
 from .batch import BatchResult, StderrProgress, find_notebooks, grade_batch

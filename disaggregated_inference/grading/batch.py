@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import GradingError
-from .grader import FINAL_STATUSES, grade_notebook
-from .notebook import file_sha256, submission_name
+from .grader import FINAL_STATUSES, failed_result, grade_notebook
+from ..kv.fingerprint import sha256_of
+from .notebook import Submission, submission_name
 from .options import GradingOptions
 from .report import read_result, result_paths, write_batch_reports, write_result
 from .rubric import Rubric, load_rubric
@@ -48,7 +50,7 @@ def up_to_date(json_path: Path, notebook: Path, rubric: Rubric) -> dict | None:
     if not sha or old.get("rubric", {}).get("fingerprint") != rubric.fingerprint:
         return None
     try:
-        return old if sha == file_sha256(notebook) else None
+        return old if sha == sha256_of(notebook) else None
     except OSError:
         return None
 
@@ -89,11 +91,13 @@ class BatchResult:
 
 
 def grade_batch(target, rubric, client, out_dir, options: GradingOptions | None = None, *, force: bool = False,
-                progress=None) -> BatchResult:
-    """Grade every notebook under ``target`` into ``out_dir``.
+                progress=None, jobs: int = 1) -> BatchResult:
+    """Grade every notebook under ``target`` into ``out_dir``, ``jobs`` notebooks at a time.
 
     ``progress(done, total, name, status)`` is called before (status "grading")
-    and after each submission; ``StderrProgress()`` draws a bar.
+    and after each submission, always from the calling thread; ``StderrProgress()``
+    draws a bar. Results are in the notebooks' order whatever order they finish in;
+    each is written as soon as it is graded, so an interrupted batch resumes.
     """
     rubric = rubric if isinstance(rubric, Rubric) else load_rubric(rubric)
     options = options or GradingOptions()
@@ -101,23 +105,43 @@ def grade_batch(target, rubric, client, out_dir, options: GradingOptions | None 
     notebooks, root = find_notebooks(target)
     batch = BatchResult(out_dir=out_dir)
     total = len(notebooks)
+    results: list = [None] * total
+    todo = []
+    done = 0
     for i, path in enumerate(notebooks):
         name = submission_name(path, root)
         json_path, _ = result_paths(out_dir, name)
         old = None if force else up_to_date(json_path, path, rubric)
         if old is not None:
-            batch.results.append(old)
+            results[i] = old
             batch.resumed.append(name)
+            done += 1
             if progress:
-                progress(i + 1, total, name, f"{old['status']} (earlier run)")
-            continue
-        if progress:
-            progress(i, total, name, "grading")
-        result = grade_notebook(path, rubric, client, options, name=name)
+                progress(done, total, name, f"{old['status']} (earlier run)")
+        else:
+            todo.append((i, path, name))
+
+    def one(path, name) -> dict:
+        try:
+            result = grade_notebook(path, rubric, client, options, name=name)
+        except Exception as exc:  # noqa: BLE001 - e.g. MemoryError reading it: this notebook fails, not the batch
+            result = failed_result(Submission(path=path, name=name), rubric, options, exc, time.perf_counter())
         write_result(result, out_dir)
-        batch.results.append(result)
-        batch.graded.append(name)
-        if progress:
-            progress(i + 1, total, name, result["status"])
+        return result
+
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(todo) or 1))) as pool:
+        futures = {}
+        for i, path, name in todo:
+            if progress:
+                progress(done, total, name, "grading")
+            futures[pool.submit(one, path, name)] = (i, name)
+        for future in as_completed(futures):
+            i, name = futures[future]
+            results[i] = future.result()
+            done += 1
+            if progress:
+                progress(done, total, name, results[i]["status"])
+    batch.results = results
+    batch.graded = [name for _, _, name in todo]
     batch.summary = write_batch_reports(batch.results, out_dir, skipped=len(batch.resumed))
     return batch

@@ -12,9 +12,10 @@ import signal
 import sys
 
 from .. import config as cluster_config
+from ..client import describe_overlap
 from ..errors import ConfigError, DisaggError, RubricError
 from .batch import StderrProgress, grade_batch, pending
-from .connect import open_client
+from .connect import decode_slots, open_client
 from .options import DEFAULT_SEED, GradingOptions
 from .rubric import load_rubric
 
@@ -41,12 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--code-model", default="qwen", help="model that analyses the code and scores (default: qwen)")
     p.add_argument("--feedback-model", default="gpt-oss", help="model that writes feedback (default: gpt-oss)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="sampling seed (temperature is 0)")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="notebooks graded at once (default: the decode slots the cluster's /health reports, else 2)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     return p
 
 
 def run(args) -> int:
+    if args.jobs is not None and args.jobs < 1:
+        raise ConfigError(f"--jobs must be at least 1, got {args.jobs}", field="jobs")
     rubric = load_rubric(args.rubric)  # a bad rubric fails before any server starts
     cfg = cluster_config.load(args.config)
     progress_bar = None if args.no_progress else StderrProgress()
@@ -63,7 +68,9 @@ def run(args) -> int:
                      models=(args.code_model, args.feedback_model)) as client:
         options = GradingOptions.for_cluster(client.config, code_model=args.code_model,
                                              feedback_model=args.feedback_model, seed=args.seed)
-        batch = grade_batch(args.target, rubric, client, args.out, options, force=args.force, progress=progress_bar)
+        jobs = args.jobs or decode_slots(client)
+        batch = grade_batch(args.target, rubric, client, args.out, options, force=args.force, progress=progress_bar,
+                            jobs=jobs)
     return report(batch, args)
 
 
@@ -77,7 +84,7 @@ def report(batch, args) -> int:
               f"an earlier run); mean {summary['mean']} / {summary['max_points']}, stdev {summary['stdev']}")
         for flag in summary["flagged"]:
             print(f"  needs review: {flag['submission']} ({flag['status']}): {'; '.join(flag['reasons'])}")
-        print(f"prefill {inf['prefill_time']} s, decode {inf['decode_time']} s, parallel speedup {inf['speedup']}x")
+        print(f"prefill {inf['prefill_time']} s, decode {inf['decode_time']} s; {describe_overlap(inf)}")
         print(f"reports in {batch.out_dir}/ (gradebook.csv, summary.md, one .json and .md per submission)")
     return 1 if summary["by_status"].get("error") else 0
 

@@ -12,7 +12,7 @@ def start_local_cluster(config=None, timeout: float = 600.0, progress=None):
 
     Returns the ``LocalCluster``; its ``config`` (a dict) says where the servers listen.
     """
-    from ..cluster import LocalCluster
+    from ..ops.cluster import LocalCluster
 
     cluster = LocalCluster(cluster_config.coerce(config if config is not None else cluster_config.load()),
                            free_ports=True).start()
@@ -39,6 +39,22 @@ def require_servers(client, models=()) -> None:
                           for s in states if s["model"] in missing) or "none configured"
         raise GradingError(f"no decode server answers for model {', '.join(missing)} [{where}]; start the "
                            "cluster (`disagg up`) or grade with --local-cluster")
+
+
+DEFAULT_JOBS = 2
+
+
+def decode_slots(client, default: int = DEFAULT_JOBS) -> int:
+    """How many requests the cluster's decode servers can generate at once: the sum of their ``/health``
+    ``slots.total`` (as last checked), or ``default`` when no server reports it."""
+    total = 0
+    for server in list(getattr(client, "servers", {}).values()):
+        if server.entry.role != "decode" or not server.up:
+            continue
+        slots = (server.health.get("slots") or {}).get("total") if isinstance(server.health, dict) else None
+        if isinstance(slots, int) and not isinstance(slots, bool) and slots > 0:
+            total += slots
+    return total or default
 
 
 @contextmanager

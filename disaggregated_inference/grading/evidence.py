@@ -32,6 +32,7 @@ class Check:
     rule: str
     passed: bool
     detail: str
+    key: str = ""  # the rubric's evidence key it checks (imports, functions, chart, ...)
 
 
 @dataclass
@@ -62,7 +63,8 @@ class Evidence:
         lines = [f"{self.code_cells} code cells, {self.markdown_cells} markdown cells "
                  f"({self.markdown_words} words of explanation)"]
         for e in self.syntax_errors:
-            lines.append(f"cell {e['cell']}: SyntaxError at line {e['line']}: {e['message']}")
+            where = f"SyntaxError at line {e['line']}" if e["line"] is not None else "code"
+            lines.append(f"cell {e['cell']}: {where}: {e['message']}")
         for e in self.error_outputs:
             lines.append(f"cell {e['cell']}: raised {e['ename']}: {e['evalue']}")
         if self.unexecuted_cells:
@@ -136,6 +138,12 @@ def _is_plotting(call: str) -> bool:
     return head in PLOT_MODULE_ALIASES or call.rsplit(".", 1)[-1] in PLOT_FUNCTIONS
 
 
+def _walk(tree) -> list:
+    """Every node with its dotted call name (calls only): done up front, so that a tree too deep to walk
+    fails here, inside the parse's error handling, and the cell counts as unparseable."""
+    return [(node, _dotted(node.func) if isinstance(node, ast.Call) else None) for node in ast.walk(tree)]
+
+
 def collect_evidence(notebook) -> Evidence:
     ev = Evidence()
     imports, calls, defined, constructs = set(), [], set(), set()
@@ -171,23 +179,28 @@ def collect_evidence(notebook) -> Evidence:
         cell_calls: list[str] = []
         try:
             tree = ast.parse(python)
+            walked = _walk(tree)
         except SyntaxError as exc:
+            tree = None
             ev.syntax_errors.append({"cell": number, "line": exc.lineno, "message": exc.msg})
+        except (ValueError, MemoryError, RecursionError) as exc:  # null bytes; crafted, deeply nested code
+            tree = None
+            ev.syntax_errors.append({"cell": number, "line": None,
+                                     "message": f"cannot be parsed ({type(exc).__name__}: {str(exc)[:80]})"})
+        if tree is None:
             # the cell still shows intent: find imports and calls by pattern
             for a, b in _IMPORT_RE.findall(python):
                 imports.add(a or b)
             cell_calls = _CALL_RE.findall(python)
         else:
-            for node in ast.walk(tree):
+            for node, name in walked:
                 if isinstance(node, ast.Import):
                     imports.update(alias.name for alias in node.names)
                 elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
                     imports.add(node.module)
                     imports.update(f"{node.module}.{alias.name}" for alias in node.names if alias.name != "*")
-                elif isinstance(node, ast.Call):
-                    name = _dotted(node.func)
-                    if name:
-                        cell_calls.append(name)
+                elif isinstance(node, ast.Call) and name:
+                    cell_calls.append(name)
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     defined.add(node.name)
                 for kind, types in _CONSTRUCT_NODES.items():
@@ -219,40 +232,43 @@ def check_criterion(criterion: Criterion, ev: Evidence) -> list[Check]:
     """The rubric's evidence rules for one criterion, each checked against the notebook."""
     rules = criterion.evidence
     checks: list[Check] = []
+
+    def add(key: str, rule: str, passed: bool, detail: str) -> None:
+        checks.append(Check(rule, passed, detail, key))
+
     for module in rules.imports:
         found = _has_import(ev, module)
-        checks.append(Check(f"imports {module}", found,
-                            f"{module} is imported" if found else f"{module} is never imported"))
+        add("imports", f"imports {module}", found, f"{module} is imported" if found else f"{module} is never imported")
     for name in rules.functions:
         found = _has_function(ev, name)
-        checks.append(Check(f"uses {name}", found,
-                            f"{name} is used" if found else f"{name} is never called or defined"))
+        add("functions", f"uses {name}", found,
+            f"{name} is used" if found else f"{name} is never called or defined")
     for kind in rules.constructs:
         found = kind in ev.constructs
-        checks.append(Check(f"has {kind}", found, f"a {kind} is present" if found else f"no {kind} in the code"))
+        add("constructs", f"has {kind}", found, f"a {kind} is present" if found else f"no {kind} in the code")
     if rules.chart:
         if ev.chart_outputs:
-            checks.append(Check("chart", True, "chart output in " + _cells(ev.chart_outputs)))
+            add("chart", "chart", True, "chart output in " + _cells(ev.chart_outputs))
         elif ev.plotting_calls:
-            checks.append(Check("chart", False, "plotting code in " + _cells(ev.plotting_calls)
-                                + " but no chart in the saved outputs (not run, or it failed)"))
+            add("chart", "chart", False, "plotting code in " + _cells(ev.plotting_calls)
+                + " but no chart in the saved outputs (not run, or it failed)")
         else:
-            checks.append(Check("chart", False, "no chart: no chart output and no plotting code"))
+            add("chart", "chart", False, "no chart: no chart output and no plotting code")
     if rules.runs_clean:
         problems = [f"cell {e['cell']}: SyntaxError" for e in ev.syntax_errors]
         for e in ev.error_outputs:  # a SyntaxError cell that was run also has an error output: say it once
             if f"cell {e['cell']}: {e['ename']}" not in problems:
                 problems.append(f"cell {e['cell']}: {e['ename']}")
-        checks.append(Check("runs without errors", not problems,
-                            "no syntax errors or error outputs" if not problems else "; ".join(problems)))
+        add("runs_clean", "runs without errors", not problems,
+            "no syntax errors or error outputs" if not problems else "; ".join(problems))
     if rules.executed:
         missing = ev.unexecuted_cells
-        checks.append(Check("all cells executed", not missing, "every code cell was run" if not missing
-                            else "never run: " + _cells([{"cell": n} for n in missing])))
+        add("executed", "all cells executed", not missing, "every code cell was run" if not missing
+            else "never run: " + _cells([{"cell": n} for n in missing]))
     if rules.markdown_words:
         ok = ev.markdown_words >= rules.markdown_words
-        checks.append(Check(f"at least {rules.markdown_words} words of explanation", ok,
-                            f"{ev.markdown_words} words of markdown"))
+        add("markdown_words", f"at least {rules.markdown_words} words of explanation", ok,
+            f"{ev.markdown_words} words of markdown" + ("" if ok else f", fewer than {rules.markdown_words}"))
     return checks
 
 

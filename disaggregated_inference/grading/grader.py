@@ -5,7 +5,7 @@
 
     result = grade_notebook("examples/notebooks/good_sales_analysis.ipynb",
                             load_rubric("examples/rubric.yaml"), DisaggregatedClient("config_current.json"))
-    result["total"], result["criteria"], result["feedback"], result["inference"]["speedup"]
+    result["total"], result["criteria"], result["feedback"], result["inference"]["overlap"]
 
 A bad file is a result (``status: "invalid"``), never an exception; so is a
 cluster that cannot answer (``status: "error"``, graded again on the next run).
@@ -16,10 +16,13 @@ import time
 from dataclasses import asdict
 from datetime import datetime, timezone
 
-from .analysis import plan_requests
+from ..client import overlap_figures
+from .analysis import CODE, FEEDBACK, plan_requests
 from .evidence import check_rubric, collect_evidence
 from .notebook import load_submission
+from .feedback import compose_feedback
 from .options import GradingOptions
+from .quality import NotebookText
 from .rubric import Rubric, load_rubric
 from .validation import obtain_answers, reconcile
 
@@ -31,18 +34,16 @@ REQUEST_FIELDS = ("method", "prefill_time", "decode_time", "total_time", "prompt
 
 
 def inference_summary(answers, rounds) -> dict:
-    """Timings of every request of a submission, and the speedup of sending them in parallel."""
+    """Timings of every request of a submission, and how much they overlapped (``overlap_figures``)."""
     requests = [{"role": a.role, "model": a.model, "attempt": a.attempt, "error": a.error,
                  **{k: a.metrics.get(k) for k in REQUEST_FIELDS}} for a in answers]
     wall = sum(r.get("wall_time") or 0.0 for r in rounds)
-    sequential = sum(r.get("sequential_time") or 0.0 for r in rounds)
+    request_time = sum(r.get("request_time") or 0.0 for r in rounds)
     return {
         "requests": requests,
         "prefill_time": round(sum(r["prefill_time"] or 0.0 for r in requests), 6),
         "decode_time": round(sum(r["decode_time"] or 0.0 for r in requests), 6),
-        "wall_time": round(wall, 6),
-        "sequential_time": round(sequential, 6),
-        "speedup": round(sequential / wall, 3) if wall > 0 and sequential > 0 else None,
+        **overlap_figures(request_time, wall),
         "methods": sorted({r["method"] for r in requests if r["method"]}),
         "fallbacks": sum(1 for r in requests if r["method"] == "decode_only_fallback"),
     }
@@ -70,11 +71,31 @@ def _base_result(sub, rubric: Rubric, options: GradingOptions) -> dict:
 
 
 def grade_notebook(path, rubric, client, options: GradingOptions | None = None, *, name: str | None = None) -> dict:
-    """Grade one notebook file with ``client`` (anything with ``generate_many``); return the result dict."""
+    """Grade one notebook file with ``client`` (anything with ``generate_many``); return the result dict.
+
+    Whatever one notebook does to the grader (crafted code, a parser's MemoryError), the answer is a result
+    for that notebook (``status: "invalid"``, the reason in ``review_reasons``), never an exception."""
     options = options or GradingOptions()
     rubric = rubric if isinstance(rubric, Rubric) else load_rubric(rubric)
     started = time.perf_counter()
     sub = load_submission(path, options.limits, name)
+    try:
+        return _grade(sub, rubric, client, options, started)
+    except Exception as exc:  # noqa: BLE001 - one notebook's failure is that notebook's result
+        return failed_result(sub, rubric, options, exc, started)
+
+
+def failed_result(sub, rubric: Rubric, options: GradingOptions, exc: BaseException, started: float) -> dict:
+    """The result of a notebook the grader could not get through: invalid, with the reason."""
+    result = _base_result(sub, rubric, options)
+    result.update(status=INVALID, needs_review=True,
+                  review_reasons=[f"the grader could not process this notebook: {type(exc).__name__}: "
+                                  f"{str(exc)[:200]}"],
+                  elapsed_s=round(time.perf_counter() - started, 3))
+    return result
+
+
+def _grade(sub, rubric: Rubric, client, options: GradingOptions, started: float) -> dict:
     result = _base_result(sub, rubric, options)
 
     # layer 1: the submission
@@ -92,7 +113,7 @@ def grade_notebook(path, rubric, client, options: GradingOptions | None = None, 
 
     # layer 3: the two models, in parallel
     requests, rendered = plan_requests(rubric, sub.notebook, evidence, checks, options)
-    analysed = obtain_answers(client, requests, rubric, options)
+    analysed = obtain_answers(client, requests, rubric, options, NotebookText.of(sub.notebook))
     result["layers"]["analysis"] = {
         "notebook_chars": rendered.original_chars,
         "shown_chars": len(rendered.text),
@@ -102,27 +123,32 @@ def grade_notebook(path, rubric, client, options: GradingOptions | None = None, 
     }
     result["inference"] = inference_summary(analysed.answers, analysed.combined)
 
-    # layer 4: validation and reconciliation
-    grades = reconcile(rubric, checks, analysed.code)
+    # layer 4: evidence scores, the model's view within a band, grounded feedback
+    if analysed.code is None and analysed.request_failed.get("code"):
+        reasons = analysed.review_reasons  # the cluster did not answer: graded again on the next run
+        result.update(status=ERROR, needs_review=True, review_reasons=reasons,
+                      elapsed_s=round(time.perf_counter() - started, 3))
+        return result
+    code_not_used, feedback_not_used = analysed.not_used(CODE), analysed.not_used(FEEDBACK)
+    short = analysed.not_used(CODE, short=True)
+    grades = reconcile(rubric, checks, analysed.code, short and f"the code-analysis answer {short} (see why below)")
     result["criteria"] = [g.to_dict() for g in grades]
+    total = round(sum(g.score for g in grades), 2)
+    result.update(total=total, percent=round(100.0 * total / rubric.max_points, 1))
     result["layers"]["validation"] = {
         "problems": analysed.problems,
+        "quality": analysed.quality,
         "retried": sorted({a.role for a in analysed.answers if a.attempt > 1}),
+        "model_not_used": {role: why for role, why in ((CODE, code_not_used), (FEEDBACK, feedback_not_used)) if why},
         "adjustments": {g.id: g.adjustments for g in grades if g.adjustments},
     }
-    if analysed.feedback is not None or analysed.code is not None:
-        result["feedback"] = {**(analysed.feedback or {}), "issues": (analysed.code or {}).get("issues", [])}
-    if analysed.code is not None:
-        total = round(sum(g.score for g in grades), 2)
-        result.update(total=total, percent=round(100.0 * total / rubric.max_points, 1))
+    result["feedback"] = compose_feedback(
+        rubric, evidence, checks, total, analysed.feedback,
+        analysed.code["issues"] if analysed.code is not None else None, feedback_not_used, code_not_used)
     reasons = analysed.review_reasons
     if rendered.trimmed:
         result["layers"]["analysis"]["note"] = "the models saw a shortened notebook"
-    if analysed.code is None and analysed.request_failed.get("code"):
-        status = ERROR
-    else:
-        status = NEEDS_REVIEW if reasons else GRADED
-    result.update(status=status, needs_review=bool(reasons), review_reasons=reasons,
+    result.update(status=NEEDS_REVIEW if reasons else GRADED, needs_review=bool(reasons), review_reasons=reasons,
                   elapsed_s=round(time.perf_counter() - started, 3))
     return result
 

@@ -11,6 +11,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..kv.fingerprint import sha256_of
+
 MAX_BYTES = 5 << 20   # larger files are usually embedded data or many images
 MAX_CELLS = 500
 
@@ -46,14 +48,6 @@ class Submission:
         }
 
 
-def file_sha256(path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def submission_name(path, root=None) -> str:
     """The id of a submission: its path under ``root`` without the suffix, '/' turned into '__'."""
     path = Path(path)
@@ -79,7 +73,7 @@ def load_submission(path, limits: Limits | None = None, name: str | None = None)
         sub.problems.append("not a regular file")
         return sub
     if sub.size_bytes > limits.max_bytes:
-        sub.sha256 = file_sha256(path)
+        sub.sha256 = sha256_of(path)
         sub.problems.append(f"file is {sub.size_bytes} bytes; the limit is {limits.max_bytes}")
         return sub
     raw = path.read_bytes()
@@ -94,6 +88,9 @@ def load_submission(path, limits: Limits | None = None, name: str | None = None)
         return sub
     except json.JSONDecodeError as exc:
         sub.problems.append(f"not a notebook: invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})")
+        return sub
+    except (RecursionError, MemoryError) as exc:  # crafted JSON: arrays nested thousands deep
+        sub.problems.append(f"not a notebook: the JSON cannot be read ({type(exc).__name__}: nested too deeply)")
         return sub
     if not isinstance(data, dict) or "cells" not in data and "worksheets" not in data:
         sub.problems.append("not a notebook: the JSON has no 'cells'")

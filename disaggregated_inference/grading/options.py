@@ -13,6 +13,7 @@ class GradingOptions:
     code_model: str = "qwen"          # code analysis and scores (the seeds' qwen3-coder:30b)
     feedback_model: str = "gpt-oss"   # feedback to the student (the seeds' gpt-oss:120b)
     temperature: float = 0.0
+    retry_temperature: float = 0.4    # a retry samples (with seed + 1, so still reproducible) for another answer
     seed: int = DEFAULT_SEED
     code_max_tokens: int = 768
     feedback_max_tokens: int = 768

@@ -7,11 +7,24 @@ import json
 import statistics
 from pathlib import Path
 
+from ..client import describe_overlap, overlap_figures
+
 
 def _n(x, digits: int = 2) -> str:
     if x is None:
         return "-"
     return f"{x:.{digits}f}".rstrip("0").rstrip(".") if isinstance(x, float) else str(x)
+
+
+def _md(text) -> str:
+    return str(text or "").replace("|", "\\|").replace("\n", " ").rstrip(".")
+
+
+def criteria_rows(result: dict) -> list[dict]:
+    """One row per criterion: the evidence score, the model's adjustment, the final score, the reason for each."""
+    return [{"criterion": c["id"], "evidence": c.get("evidence_score"), "model adjustment": c.get("model_adjustment"),
+             "score": c["score"], "points": c["points"], "evidence: why": c.get("evidence_reason", ""),
+             "adjustment: why": c.get("adjustment_reason", "")} for c in result["criteria"]]
 
 
 # -- one submission ------------------------------------------------------------------------------
@@ -54,18 +67,21 @@ def render_markdown(result: dict) -> str:
         lines.append("")
 
     if result["criteria"]:
-        lines += ["## Criteria", "", "| Criterion | Score | Points | Why |", "|---|---:|---:|---|"]
+        lines += ["## Criteria", "",
+                  "| Criterion | Evidence | Model adjustment | Score | Points |", "|---|---:|---:|---:|---:|"]
         for c in result["criteria"]:
-            why = c["rationale"].replace("|", "\\|").replace("\n", " ")
-            lines.append(f"| {c['title']} (`{c['id']}`) | {_n(c['score'])} | {_n(c['points'])} | {why} |")
+            adj = c.get("model_adjustment") or 0
+            lines.append(f"| {c['title']} (`{c['id']}`) | {_n(c.get('evidence_score'))} | "
+                         f"{'+' if adj > 0 else ''}{_n(adj)} | {_n(c['score'])} | {_n(c['points'])} |")
+        lines += ["", "### Why", ""]
+        for c in result["criteria"]:
+            lines.append(f"- **`{c['id']}`**: evidence {_n(c.get('evidence_score'))}: {_md(c.get('evidence_reason'))}. "
+                         f"Adjustment: {_md(c.get('adjustment_reason'))}."
+                         + (f" The model's reason: \"{_md(c['rationale'])}\"" if c.get("rationale") else ""))
         lines.append("")
-        adjusted = [c for c in result["criteria"] if c["adjustments"]]
-        if adjusted:
-            lines += ["### Score adjustments", ""]
-            for c in adjusted:
-                for a in c["adjustments"]:
-                    lines.append(f"- `{c['id']}`: model said {_n(c['model_score'])}; {a}")
-            lines.append("")
+    not_used = result["layers"].get("validation", {}).get("model_not_used") or {}
+    if not_used:
+        lines += ["### Model answers not used", ""] + [f"- {role}: {_md(why)}" for role, why in not_used.items()] + [""]
 
     fb = result.get("feedback")
     if fb:
@@ -73,9 +89,13 @@ def render_markdown(result: dict) -> str:
         if fb.get("summary"):
             lines += [fb["summary"], ""]
         sections = (("strengths", "Strengths"), ("improvements", "To improve"), ("issues", "Issues in the code"))
+        sources = fb.get("sources", {})
         for key, title in sections:
             if fb.get(key):
-                lines += [f"**{title}**", ""] + [f"- {item}" for item in fb[key]] + [""]
+                origin = sources.get(key) or []
+                lines += [f"**{title}**", ""] + [
+                    f"- {item}" + (f" _({origin[i]})_" if i < len(origin) else "") for i, item in enumerate(fb[key])
+                ] + [""]
 
     layers = result["layers"]
     lines += ["## Checks", "", "**Submission:** " + ("valid notebook" if layers["submission"]["ok"]
@@ -104,8 +124,7 @@ def render_markdown(result: dict) -> str:
             lines.append(f"| {r['role']} | {r['model']} | {r['attempt']} | {r['method']} | {_n(r['prefill_time'], 3)} "
                          f"| {_n(r['decode_time'], 3)} | {r['prompt_tokens']}/{r['completion_tokens']} "
                          f"| {_n(r['decode_speed'], 1)} |")
-        lines += ["", f"Wall time {_n(inf['wall_time'], 3)} s for {_n(inf['sequential_time'], 3)} s of requests: "
-                      f"parallel speedup {_n(inf['speedup'])}x.", ""]
+        lines += ["", f"Concurrent requests: {describe_overlap(inf)}.", ""]
     return "\n".join(lines)
 
 
@@ -130,7 +149,8 @@ def gradebook_rows(results: list[dict]) -> list[dict]:
         row.update({cid: scores.get(cid) for cid in ids})
         row.update({"review_reasons": " | ".join(r["review_reasons"]),
                     "prefill_time": r["inference"]["prefill_time"], "decode_time": r["inference"]["decode_time"],
-                    "wall_time": r["inference"]["wall_time"], "speedup": r["inference"]["speedup"],
+                    "request_time": r["inference"]["request_time"], "wall_time": r["inference"]["wall_time"],
+                    "overlap": r["inference"]["overlap"],
                     "file": r["submission"]["file"]})
         rows.append(row)
     return rows
@@ -152,7 +172,7 @@ def summarize(results: list[dict], skipped: int = 0) -> dict:
     totals = [r["total"] for r in results if r["total"] is not None]
     percents = [r["percent"] for r in results if r["percent"] is not None]
     rounds_wall = sum(r["inference"]["wall_time"] for r in results)
-    rounds_seq = sum(r["inference"]["sequential_time"] for r in results)
+    request_time = sum(r["inference"]["request_time"] for r in results)
     return {
         "submissions": len(results),
         "graded": len(totals),
@@ -172,9 +192,7 @@ def summarize(results: list[dict], skipped: int = 0) -> dict:
             "requests": sum(len(r["inference"]["requests"]) for r in results),
             "prefill_time": round(sum(r["inference"]["prefill_time"] for r in results), 3),
             "decode_time": round(sum(r["inference"]["decode_time"] for r in results), 3),
-            "wall_time": round(rounds_wall, 3),
-            "sequential_time": round(rounds_seq, 3),
-            "speedup": round(rounds_seq / rounds_wall, 3) if rounds_wall > 0 and rounds_seq > 0 else None,
+            **overlap_figures(request_time, rounds_wall),
             "fallbacks": sum(r["inference"]["fallbacks"] for r in results),
         },
     }
@@ -190,8 +208,7 @@ def render_summary_markdown(summary: dict, results: list[dict]) -> str:
              f"range {_n(summary['min'])} to {_n(summary['max'])}",
              "- by status: " + ", ".join(f"{k} {v}" for k, v in summary["by_status"].items()),
              f"- inference: {inf['requests']} requests, prefill {_n(inf['prefill_time'], 2)} s, decode "
-             f"{_n(inf['decode_time'], 2)} s; wall {_n(inf['wall_time'], 2)} s against "
-             f"{_n(inf['sequential_time'], 2)} s sequential: parallel speedup {_n(inf['speedup'])}x"
+             f"{_n(inf['decode_time'], 2)} s; {describe_overlap(inf)}"
              + (f"; {inf['fallbacks']} decode-only fallbacks" if inf["fallbacks"] else ""), ""]
     if summary["flagged"]:
         lines += ["## Needs human review", ""]

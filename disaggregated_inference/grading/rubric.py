@@ -18,10 +18,17 @@ A rubric file looks like (``examples/rubric.yaml``)::
           runs_clean: true                          # no syntax errors, no error outputs
           executed: true                            # every code cell was run
           markdown_words: 40                        # at least this many words of explanation
+          points: {chart: 6}                        # optional: points of a rule (the rest share the rest)
+        model_band: 0.25                            # optional; see below
 
-A criterion whose evidence rules are not all met can score at most
-``missing_evidence_cap`` of its points (per criterion or for the rubric;
-default 0.5). Every problem raises one ``RubricError`` naming the file and the key.
+The score starts from the evidence (``scoring.py``): each rule met earns its
+points (by default an equal share of the criterion's points); a criterion
+without rules starts at ``no_evidence_share`` of its points (default 0.5). A
+criterion whose evidence rules are not all met can score at most
+``missing_evidence_cap`` of its points (default 0.5). The code-analysis model
+may move a criterion's score by at most ``model_band`` of its points (default
+0.25), never above that cap. The three keys may be set per criterion or for the
+rubric. Every problem raises one ``RubricError`` naming the file and the key.
 """
 from __future__ import annotations
 
@@ -38,10 +45,14 @@ from ..errors import RubricError
 CONSTRUCTS = ("function_def", "class_def", "loop", "comprehension", "conditional", "lambda", "try", "with",
               "fstring")
 DEFAULT_MISSING_EVIDENCE_CAP = 0.5
+DEFAULT_MODEL_BAND = 0.25
+DEFAULT_NO_EVIDENCE_SHARE = 0.5
+_SHARES = ("missing_evidence_cap", "model_band", "no_evidence_share")  # fractions of a criterion's points
 _ID = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
-_TOP_KEYS = {"title", "assignment", "description", "criteria", "missing_evidence_cap"}
-_CRITERION_KEYS = {"id", "title", "description", "points", "evidence", "missing_evidence_cap"}
-_EVIDENCE_KEYS = {"imports", "functions", "constructs", "chart", "runs_clean", "executed", "markdown_words"}
+_TOP_KEYS = {"title", "assignment", "description", "criteria", *_SHARES}
+_CRITERION_KEYS = {"id", "title", "description", "points", "evidence", *_SHARES}
+_RULE_KEYS = ("imports", "functions", "constructs", "chart", "runs_clean", "executed", "markdown_words")
+_EVIDENCE_KEYS = {*_RULE_KEYS, "points"}
 
 
 @dataclass(frozen=True)
@@ -53,10 +64,14 @@ class EvidenceRules:
     runs_clean: bool = False
     executed: bool = False
     markdown_words: int = 0
+    points: tuple[tuple[str, float], ...] = ()  # (rule key, points) for the rules given points
 
     @property
     def empty(self) -> bool:
         return self == EvidenceRules()
+
+    def points_of(self, key: str) -> float | None:
+        return dict(self.points).get(key)
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,8 @@ class Criterion:
     points: float
     evidence: EvidenceRules = field(default_factory=EvidenceRules)
     missing_evidence_cap: float = DEFAULT_MISSING_EVIDENCE_CAP
+    model_band: float = DEFAULT_MODEL_BAND
+    no_evidence_share: float = DEFAULT_NO_EVIDENCE_SHARE
 
     @property
     def integer_points(self) -> bool:
@@ -170,7 +187,21 @@ def _evidence(raw, where: str, source: str) -> EvidenceRules:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             _fail(source, f"{where}.markdown_words", f"must be a whole number >= 0, got {json.dumps(value)}")
         kwargs["markdown_words"] = value
+    if "points" in raw:
+        kwargs["points"] = _rule_points(raw["points"], kwargs, f"{where}.points", source)
     return EvidenceRules(**kwargs)
+
+
+def _rule_points(raw, rules: dict, where: str, source: str) -> tuple[tuple[str, float], ...]:
+    if not isinstance(raw, dict) or not raw:
+        _fail(source, where, f"must be a mapping of evidence rules to points, got {json.dumps(raw)}")
+    out = []
+    for key, value in raw.items():
+        if not rules.get(key):
+            _fail(source, f"{where}.{key}", f"gives points to a rule this criterion does not have "
+                                            f"(its rules: {', '.join(k for k in _RULE_KEYS if rules.get(k))})")
+        out.append((key, _number(value, f"{where}.{key}", source, 0, 1000)))
+    return tuple(out)
 
 
 def rubric_from_dict(data, source: str = "<dict>") -> Rubric:
@@ -181,9 +212,11 @@ def rubric_from_dict(data, source: str = "<dict>") -> Rubric:
     title = _text(data, "title", "", source, required=True)
     assignment = _text(data, "assignment", "", source, required=False) or _text(
         data, "description", "", source, required=False)
-    default_cap = DEFAULT_MISSING_EVIDENCE_CAP
-    if "missing_evidence_cap" in data:
-        default_cap = _number(data["missing_evidence_cap"], "missing_evidence_cap", source, 0, 1)
+    defaults = {"missing_evidence_cap": DEFAULT_MISSING_EVIDENCE_CAP, "model_band": DEFAULT_MODEL_BAND,
+                "no_evidence_share": DEFAULT_NO_EVIDENCE_SHARE}
+    for key in _SHARES:
+        if key in data:
+            defaults[key] = _number(data[key], key, source, 0, 1)
     raw_criteria = data.get("criteria")
     if not isinstance(raw_criteria, list) or not raw_criteria:
         _fail(source, "criteria", "must be a non-empty list of criteria")
@@ -204,16 +237,21 @@ def rubric_from_dict(data, source: str = "<dict>") -> Rubric:
         if "points" not in raw:
             _fail(source, f"{where}.points", "is required")
         points = _number(raw["points"], f"{where}.points", source, 0, 1000, low_open=True)
-        cap = default_cap
-        if "missing_evidence_cap" in raw:
-            cap = _number(raw["missing_evidence_cap"], f"{where}.missing_evidence_cap", source, 0, 1)
+        shares = {key: _number(raw[key], f"{where}.{key}", source, 0, 1) if key in raw else defaults[key]
+                  for key in _SHARES}
+        evidence = _evidence(raw.get("evidence"), f"{where}.evidence", source)
+        given = sum(p for _, p in evidence.points)
+        all_given = {k for k, _ in evidence.points} == {k for k in _RULE_KEYS if getattr(evidence, k)}
+        if evidence.points and (given > points + 1e-9 or (all_given and abs(given - points) > 1e-9)):
+            _fail(source, f"{where}.evidence.points", f"add up to {given:g}; they must add up to "
+                  f"{'the' if all_given else 'at most the'} criterion's {points:g} points")
         criteria.append(Criterion(
             id=cid,
             title=_text(raw, "title", where, source, required=True),
             description=_text(raw, "description", where, source, required=False),
             points=points,
-            evidence=_evidence(raw.get("evidence"), f"{where}.evidence", source),
-            missing_evidence_cap=cap,
+            evidence=evidence,
+            **shares,
         ))
     return Rubric(title=title, assignment=assignment, criteria=tuple(criteria), source=source)
 

@@ -1,14 +1,15 @@
 """Layer 4, validation: the models' answers checked, retried once, and reconciled with the evidence.
 
 - an answer that does not parse, lacks a criterion, names an unknown one or
-  has a non-numeric score is *invalid*: the request is sent once more, told
-  what was wrong; still invalid, the submission is flagged for human review;
-- a score outside ``0..points`` is clamped to the rubric's points;
-- a criterion whose evidence rules are not all met (a required chart missing,
-  an error output where the code must run) scores at most
-  ``missing_evidence_cap`` of its points.
+  has a non-numeric score is *invalid*; a valid answer that fails the quality
+  checks (``quality.py``) is not used either. Either is sent once more with
+  another seed, told what was wrong; still failing, it is dropped (an invalid
+  one also flags the submission for human review);
+- each criterion's score starts from its evidence score (``scoring.py``); the
+  model's score, clamped to ``0..points``, moves it by at most the criterion's
+  band and never above what the evidence allows.
 
-Every change to a model's score is recorded with its reason.
+Every change to a score is recorded with its reason.
 """
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-from .analysis import CODE, FEEDBACK, ModelAnswer, ModelRequest, retry_request, run_requests
+from .analysis import CODE, FEEDBACK, ModelAnswer, ModelRequest, instructions_of, retry_request, run_requests
 from .evidence import Check
 from .options import GradingOptions
+from .quality import NotebookText, code_answer_problems, feedback_answer_problems
 from .rubric import Rubric
+from .scoring import bounded, evidence_score
 
 
 # -- is an answer usable? ----------------------------------------------------------------------------
@@ -90,7 +93,7 @@ def check_feedback_answer(answer: ModelAnswer) -> tuple[dict | None, list[str]]:
     return {"summary": summary.strip(), **lists}, []
 
 
-# -- scores against the rubric and the evidence ----------------------------------------------------------
+# -- scores: the evidence first, the model's view within a band ----------------------------------------
 
 @dataclass
 class CriterionGrade:
@@ -98,8 +101,12 @@ class CriterionGrade:
     title: str
     points: float
     score: float | None
+    evidence_score: float | None = None
+    evidence_reason: str = ""
     model_score: float | None = None
-    rationale: str = ""
+    model_adjustment: float = 0.0
+    adjustment_reason: str = ""
+    rationale: str = ""                               # the model's, when its view was used
     evidence: list = field(default_factory=list)      # the criterion's checks, as dicts
     adjustments: list = field(default_factory=list)   # every change to the model's score, with its reason
 
@@ -111,73 +118,110 @@ def _fmt(x: float) -> str:
     return f"{x:g}"
 
 
-def reconcile(rubric: Rubric, checks: dict[str, list[Check]], code: dict | None) -> list[CriterionGrade]:
-    """Scores clamped to each criterion's points and capped where the evidence is missing."""
+def reconcile(rubric: Rubric, checks: dict[str, list[Check]], code: dict | None,
+              not_used: str | None = None) -> list[CriterionGrade]:
+    """Each criterion's evidence score, moved by the model's score (clamped to the criterion's points)
+    within the criterion's band and below the evidence's ceiling; without a usable model answer the
+    evidence score stands and ``not_used`` says why."""
     grades = []
     for c in rubric.criteria:
         crit_checks = checks.get(c.id, [])
-        grade = CriterionGrade(c.id, c.title, c.points, None, evidence=[asdict(k) for k in crit_checks])
-        if code is not None:
-            model = code["scores"][c.id]
-            grade.model_score, grade.rationale = model["score"], model["rationale"]
-            score = model["score"]
-            if score < 0:
-                grade.adjustments.append(f"clamped from {_fmt(score)} to 0")
-                score = 0.0
-            elif score > c.points:
-                grade.adjustments.append(f"clamped from {_fmt(score)} to {_fmt(c.points)} (the criterion's points)")
-                score = c.points
-            failed = [k for k in crit_checks if not k.passed]
-            cap = round(c.points * c.missing_evidence_cap, 2)
-            if failed and score > cap:
-                reasons = "; ".join(k.detail for k in failed)
-                grade.adjustments.append(
-                    f"capped at {_fmt(cap)}/{_fmt(c.points)} because evidence is missing: {reasons}")
-                score = cap
-            grade.score = round(score, 2)
+        ev = evidence_score(c, crit_checks)
+        grade = CriterionGrade(c.id, c.title, c.points, ev.score, evidence_score=ev.score, evidence_reason=ev.reason,
+                               evidence=[asdict(k) for k in crit_checks])
+        if code is None:
+            grade.adjustment_reason = f"the model's view was not used: {not_used or 'no answer'}"
+            grades.append(grade)
+            continue
+        model = code["scores"][c.id]
+        grade.model_score, grade.rationale = model["score"], model["rationale"]
+        score = model["score"]
+        if score < 0:
+            grade.adjustments.append(f"clamped from {_fmt(score)} to 0")
+            score = 0.0
+        elif score > c.points:
+            grade.adjustments.append(f"clamped from {_fmt(score)} to {_fmt(c.points)} (the criterion's points)")
+            score = c.points
+        moved = bounded(c, ev, score)
+        grade.score, grade.model_adjustment, grade.adjustment_reason = moved.score, moved.adjustment, moved.reason
+        if abs(moved.score - score) > 1e-9:
+            grade.adjustments.append(f"{_fmt(score)} became {_fmt(moved.score)}: {moved.reason}")
         grades.append(grade)
     return grades
 
 
-# -- one retry, then a human ---------------------------------------------------------------------
+# -- one retry, then dropped -----------------------------------------------------------------------
+
+NAMES = {CODE: "code-analysis answer", FEEDBACK: "feedback answer"}
+
 
 @dataclass
 class ValidatedAnalysis:
-    code: dict | None                  # parsed scores, or None
-    feedback: dict | None              # parsed feedback, or None
+    code: dict | None                  # parsed scores that passed every check, or None
+    feedback: dict | None              # parsed feedback that passed every check, or None
     answers: list                      # every ModelAnswer, all attempts
-    problems: dict                     # role -> problems of its last attempt (empty if valid)
+    problems: dict                     # role -> why its last attempt is invalid (schema, JSON, request)
     combined: list                     # generate_many's combined metrics, one per round
     request_failed: dict               # role -> True if the last attempt never got an answer
+    quality: dict = field(default_factory=dict)  # role -> quality problems of its last attempt (valid JSON)
 
     @property
     def review_reasons(self) -> list[str]:
-        names = {CODE: "code-analysis answer", FEEDBACK: "feedback answer"}
-        return [f"{names[role]} unusable after a retry: " + "; ".join(problems)
+        return [f"{NAMES[role]} unusable after a retry: " + "; ".join(problems)
                 for role, problems in self.problems.items() if problems]
+
+    def not_used(self, role: str, short: bool = False) -> str | None:
+        """Why the role's answer is not used (None: it is); ``short``: without the list of problems."""
+        if self.problems.get(role):
+            return "invalid after a retry" + ("" if short else ": " + _listed(self.problems[role]))
+        if self.quality.get(role):
+            return ("failed the quality checks twice (another seed the second time)"
+                    + ("" if short else ": " + _listed(self.quality[role])))
+        return None
+
+
+def _listed(problems: list[str], most: int = 6) -> str:
+    return "; ".join(problems[:most]) + (f"; and {len(problems) - most} more" if len(problems) > most else "")
 
 
 def _check(answer: ModelAnswer, rubric: Rubric):
     return check_code_answer(answer, rubric) if answer.role == CODE else check_feedback_answer(answer)
 
 
-def obtain_answers(client, requests: list[ModelRequest], rubric: Rubric, options: GradingOptions) -> ValidatedAnalysis:
-    """Run the requests in parallel, validate both answers, retry the unusable ones once (in parallel)."""
-    answers, combined = run_requests(client, requests, attempt=1)
-    rounds = [combined]
-    everything = list(answers)
-    parsed, problems, failed = {}, {}, {}
-    for answer in answers:
-        parsed[answer.role], problems[answer.role] = _check(answer, rubric)
+def _quality(parsed: dict, answer: ModelAnswer, prompt: str, notebook: NotebookText | None) -> list[str]:
+    if notebook is None:
+        return []
+    instructions = instructions_of(prompt)
+    if answer.role == CODE:
+        return code_answer_problems(parsed, instructions, notebook)
+    return feedback_answer_problems(parsed, instructions, notebook)
+
+
+def obtain_answers(client, requests: list[ModelRequest], rubric: Rubric, options: GradingOptions,
+                   notebook: NotebookText | None = None) -> ValidatedAnalysis:
+    """Run the requests in parallel; check both answers (schema, then quality against ``notebook``); retry
+    the failing ones once, in parallel, with another seed; an answer still failing is dropped."""
+    prompts = {r.role: r.kwargs["prompt"] for r in requests}
+    parsed, problems, quality, failed = {}, {}, {}, {}
+
+    def judge(answer: ModelAnswer) -> None:
+        data, problems[answer.role] = _check(answer, rubric)
+        quality[answer.role] = _quality(data, answer, prompts[answer.role], notebook) if data is not None else []
+        parsed[answer.role] = data if not quality[answer.role] else None
         failed[answer.role] = answer.error is not None
-    again = [(req, ans) for req, ans in zip(requests, answers) if problems[ans.role]]
+
+    answers, combined = run_requests(client, requests, attempt=1)
+    rounds, everything = [combined], list(answers)
+    for answer in answers:
+        judge(answer)
+    again = [(req, ans) for req, ans in zip(requests, answers) if problems[ans.role] or quality[ans.role]]
     if again:
-        retries = [retry_request(req, "; ".join(problems[ans.role]), ans, options) for req, ans in again]
+        retries = [retry_request(req, "; ".join(problems[ans.role] or quality[ans.role]), ans, options)
+                   for req, ans in again]
         answers2, combined2 = run_requests(client, retries, attempt=2)
         rounds.append(combined2)
         everything.extend(answers2)
         for answer in answers2:
-            parsed[answer.role], problems[answer.role] = _check(answer, rubric)
-            failed[answer.role] = answer.error is not None
+            judge(answer)
     return ValidatedAnalysis(code=parsed.get(CODE), feedback=parsed.get(FEEDBACK), answers=everything,
-                             problems=problems, combined=rounds, request_failed=failed)
+                             problems=problems, combined=rounds, request_failed=failed, quality=quality)

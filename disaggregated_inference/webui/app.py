@@ -10,10 +10,11 @@ from pathlib import Path
 
 import streamlit as st
 
+from disaggregated_inference.client import describe_overlap
 from disaggregated_inference.errors import DisaggError, RubricError
 from disaggregated_inference.grading import GradingOptions, grade_batch, load_rubric
-from disaggregated_inference.grading.connect import require_servers
-from disaggregated_inference.grading.report import gradebook_csv, gradebook_rows, render_markdown, \
+from disaggregated_inference.grading.connect import decode_slots, require_servers
+from disaggregated_inference.grading.report import criteria_rows, gradebook_csv, gradebook_rows, render_markdown, \
     render_summary_markdown
 from disaggregated_inference.webui import state
 
@@ -81,7 +82,8 @@ def grade(rubric, paths: list[Path], client, force: bool) -> None:
     options = GradingOptions.for_cluster(getattr(client, "config", None))
     try:
         require_servers(client, (options.code_model, options.feedback_model))
-        batch = grade_batch(paths, rubric, client, state.out_dir(), options, force=force, progress=progress)
+        batch = grade_batch(paths, rubric, client, state.out_dir(), options, force=force, progress=progress,
+                            jobs=decode_slots(client))
     except DisaggError as exc:
         st.error(f"Grading stopped: {exc.message}")
         return
@@ -98,7 +100,8 @@ def show_results(batch: dict) -> None:
     cols[1].metric("Mean score", "-" if summary["mean"] is None else f"{summary['mean']:g} / {summary['max_points']:g}")
     cols[2].metric("Std deviation", "-" if summary["stdev"] is None else f"{summary['stdev']:g}")
     cols[3].metric("Needs review", len(summary["flagged"]))
-    cols[4].metric("Parallel speedup", "-" if inf["speedup"] is None else f"{inf['speedup']:.2f}x")
+    cols[4].metric("Requests in flight (mean)", "-" if inf["overlap"] is None else f"{inf['overlap']:.2f}",
+                   help=describe_overlap(inf) + "; requests queued on one server count as in flight: not a speedup")
     if batch.get("resumed"):
         st.caption(f"{len(batch['resumed'])} kept from an earlier run (same notebook, same rubric): "
                    + ", ".join(batch["resumed"]))
@@ -118,6 +121,9 @@ def show_results(batch: dict) -> None:
     by_name = {r["submission"]["name"]: r for r in results}
     name = st.selectbox("Submission", list(by_name), key="detail")
     result = by_name[name]
+    if result["criteria"]:
+        st.subheader("Score breakdown: evidence, model adjustment (bounded), final")
+        st.dataframe(criteria_rows(result), hide_index=True, key=f"breakdown-{name}")
     st.markdown(render_markdown(result))
     st.download_button(f"Download {name}.json", json.dumps(result, indent=2), f"{name}.json", "application/json",
                        key=f"json-{name}")

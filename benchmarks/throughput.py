@@ -1,0 +1,224 @@
+"""Throughput under concurrency: the client against the embedded cluster, slots vs one slot, and the engine's ceiling.
+
+    .venv/bin/python benchmarks/throughput.py --json
+
+Prints one JSON object (``--json``) or a table. Measured in one run, so ratios compare like with like:
+
+- ``bare``: a llama.cpp loop with no HTTP and no per-token Python beyond filling the batch: one
+  context with per-sequence KV streams (as the servers run it), N sequences of ~300-token
+  contexts, one ``llama_decode`` of N tokens per step. Tokens per second for N = 1, 4, 8, 16.
+- ``server_8``: the decode server's aggregate decode rate with 8 sequences generating at once
+  (8 concurrent ``/generate`` streams of short prompts, released together: all the tokens they
+  produced over the time from the first streamed token to the last), and its ratio to ``bare[8]``. Needs ``parallel`` >= 8 on that server: this benchmark gives the cluster 8 slots.
+- ``levels``: for 1, 2, 4, 8, 16 concurrent requests through ``DisaggregatedClient`` (prefill ->
+  KV handoff -> decode), on the multi-slot cluster and on a one-slot cluster (``parallel: 1``):
+  requests/s, completion tokens/s, p50/p95 latency and p50/p95 end-to-end TTFT
+  (``ttft_end_to_end``: client start to the decode server's first token).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from disaggregated_inference.client import DisaggregatedClient  # noqa: E402
+from disaggregated_inference.ops.cluster import LocalCluster  # noqa: E402
+
+SENTENCE = ("The regional sales team reviewed revenue, returns and discounts for the quarter and noted "
+            "which stores missed their targets and why. ")
+
+
+def prompt(i: int, repeats: int = 6) -> str:
+    return f"Report {i}. " + SENTENCE * repeats + f"\nWrite a short paragraph about report {i}."
+
+
+def pct(values, q):
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    return round(values[min(len(values) - 1, int(round(q * (len(values) - 1))))], 4)
+
+
+def bare_loop(threads: int, sizes=(1, 4, 8, 16), steps: int = 48, context: int = 300) -> dict:
+    """Tokens/s of llama_decode alone, N sequences per step (SmolLM2, per-sequence KV streams)."""
+    import llama_cpp
+    from llama_cpp import _internals
+
+    from disaggregated_inference.backends.gguf import resolve_gguf
+    from llama_cpp._logger import set_verbose
+
+    set_verbose(False)
+    model = _internals.LlamaModel(path_model=str(resolve_gguf("smollm2")), params=llama_cpp.llama_model_default_params(),
+                                  verbose=False)
+    out = {}
+    n_max = max(sizes)
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_seq_max, cp.kv_unified, cp.n_ctx = n_max, False, 1024 * n_max
+    cp.n_batch, cp.n_ubatch = 512 + n_max, 512
+    cp.n_threads = cp.n_threads_batch = threads
+    cp.flash_attn_type = 1
+    ctx = _internals.LlamaContext(model=model, params=cp, verbose=False)
+    batch = llama_cpp.llama_batch_init(512 + n_max, 0, 1)
+    tokens = model.tokenize(prompt(0, 12).encode(), add_bos=True, special=False)[:context]
+    try:
+        for n in sizes:
+            mem = llama_cpp.llama_get_memory(ctx.ctx)
+            llama_cpp.llama_memory_clear(mem, True)
+            for seq in range(n):  # each sequence gets the ~300-token context
+                batch.n_tokens = len(tokens)
+                for i, t in enumerate(tokens):
+                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, i, 1
+                    batch.seq_id[i][0], batch.logits[i] = seq, i == len(tokens) - 1
+                llama_cpp.llama_decode(ctx.ctx, batch)
+            started = time.perf_counter()
+            for step in range(steps):
+                batch.n_tokens = n
+                for seq in range(n):
+                    batch.token[seq], batch.pos[seq], batch.n_seq_id[seq] = tokens[step % 50], len(tokens) + step, 1
+                    batch.seq_id[seq][0], batch.logits[seq] = seq, True
+                if llama_cpp.llama_decode(ctx.ctx, batch) != 0:
+                    raise RuntimeError("llama_decode failed")
+            elapsed = time.perf_counter() - started
+            out[n] = round(n * steps / elapsed, 1)
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        ctx.close()
+        model.close()
+    return out
+
+
+def server_aggregate(decode_url: str, n: int = 8, max_new: int = 96) -> dict:
+    """Aggregate tokens/s of one decode server while n streams generate at once."""
+    import requests
+
+    firsts, lasts = [None] * n, [None] * n
+    barrier = threading.Barrier(n)
+
+    def one(i):
+        barrier.wait()
+        with requests.post(f"{decode_url}/generate", json={"prompt": prompt(i, 2), "max_new_tokens": max_new,
+                                                            "temperature": 0.9, "seed": i, "stream": True},
+                           stream=True, timeout=600) as resp:
+            for line in resp.iter_lines():
+                event = json.loads(line)
+                now = time.perf_counter()
+                if not event["done"]:
+                    firsts[i] = firsts[i] or now
+                    lasts[i] = now
+                else:
+                    tokens = event["metrics"]["completion_tokens"]
+        return tokens, firsts[i], lasts[i]
+
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(one, range(n)))
+    window_start, window_end = max(r[1] for r in results), min(r[2] for r in results)
+    total = sum(r[0] for r in results)
+    wall = max(r[2] for r in results) - min(r[1] for r in results)
+    return {"sequences": n, "completion_tokens": total, "wall_s": round(wall, 3),
+            "all_generating_s": round(max(0.0, window_end - window_start), 3),
+            "aggregate_tok_s": round(total / wall, 1) if wall > 0 else None}
+
+
+def run_level(client: DisaggregatedClient, models, level: int, requests_n: int, max_tokens: int) -> dict:
+    jobs = [{"model": models[i % len(models)], "prompt": prompt(i), "max_tokens": max_tokens, "seed": i}
+            for i in range(requests_n)]
+    started = time.perf_counter()
+    results, _ = client.generate_many(jobs, max_workers=level)
+    wall = time.perf_counter() - started
+    ok = [m for r in results if isinstance(r, tuple) for m in [r[1]]]
+    failed = [str(r) for r in results if not isinstance(r, tuple)]
+    tokens = sum(m["completion_tokens"] for m in ok)
+    return {
+        "concurrency": level, "requests": requests_n, "failed": len(failed),
+        "req_s": round(len(ok) / wall, 3), "completion_tok_s": round(tokens / wall, 2),
+        "latency_p50_s": pct([m["total_time"] for m in ok], 0.5), "latency_p95_s": pct([m["total_time"] for m in ok], 0.95),
+        "ttft_p50_s": pct([m.get("ttft_end_to_end") for m in ok], 0.5),
+        "ttft_p95_s": pct([m.get("ttft_end_to_end") for m in ok], 0.95),
+        "methods": sorted({m["method"] for m in ok}),
+        **({"errors": failed[:3]} if failed else {}),
+    }
+
+
+def cluster_config(parallel: int, threads: int) -> dict:
+    data = json.loads((ROOT / "config_current.json").read_text())
+    for model in data["models"].values():
+        model["parallel"] = parallel
+        model["n_threads"] = threads
+    data["client"].update(health_check_interval=0, prefill_timeout=600, decode_timeout=900)
+    data["server"].update(queue_timeout=600, max_queue=256)
+    return data
+
+
+def measure_cluster(parallel: int, levels, models, max_tokens: int, threads: int, say, aggregate: bool) -> dict:
+    out = {"parallel": parallel, "levels": []}
+    with LocalCluster(cluster_config(parallel, threads), free_ports=True) as cluster:
+        cluster.wait_healthy(timeout=900)
+        client = DisaggregatedClient(cluster.config, health_check=False)
+        client.check_health()
+        run_level(client, models, 1, 2, 8)  # warm up both models
+        for level in levels:
+            row = run_level(client, models, level, max(level, 4), max_tokens)
+            say(f"parallel={parallel} concurrency={level}: {row['req_s']} req/s, {row['completion_tok_s']} tok/s, "
+                f"p95 latency {row['latency_p95_s']} s, p95 TTFT {row['ttft_p95_s']} s")
+            out["levels"].append(row)
+        if aggregate:
+            decode = next(p.url for p in cluster.processes if p.entry.name == "local-decode-qwen")
+            out["server_8"] = server_aggregate(decode, 8)
+            say(f"decode server, 8 sequences at once: {out['server_8']['aggregate_tok_s']} tok/s")
+        client.close()
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--levels", type=int, nargs="*", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--models", nargs="*", default=["qwen", "gpt-oss"])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--slots", type=int, default=8, help="parallel of the multi-slot cluster")
+    parser.add_argument("--no-single-slot", action="store_true", help="skip the parallel: 1 cluster")
+    args = parser.parse_args(argv)
+
+    def say(message):
+        print(message, file=sys.stderr, flush=True)
+
+    say("bare llama.cpp loop ...")
+    bare = bare_loop(args.threads)
+    say(f"bare loop tok/s by sequences: {bare}")
+    multi = measure_cluster(args.slots, args.levels, args.models, args.max_tokens, args.threads, say, aggregate=True)
+    single = None if args.no_single_slot else measure_cluster(1, args.levels, args.models, args.max_tokens,
+                                                               args.threads, say, aggregate=False)
+    one = multi["levels"][0]
+    eight = next((r for r in multi["levels"] if r["concurrency"] == 8), None)
+    targets = {
+        "server_8_over_bare_8": round(multi["server_8"]["aggregate_tok_s"] / bare[8], 3),
+        "tok_s_8_over_1": round(eight["completion_tok_s"] / one["completion_tok_s"], 3) if eight else None,
+        "ttft_p95_8_over_1": (round(eight["ttft_p95_s"] / one["ttft_p50_s"], 3)
+                              if eight and eight["ttft_p95_s"] and one["ttft_p50_s"] else None),
+    }
+    if single:
+        s8 = next((r for r in single["levels"] if r["concurrency"] == 8), None)
+        targets["tok_s_8_slots_over_single_slot"] = (round(eight["completion_tok_s"] / s8["completion_tok_s"], 3)
+                                                      if eight and s8 else None)
+    result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "threads": args.threads},
+              "max_tokens": args.max_tokens, "models": args.models, "bare_tok_s": bare, "slots": multi,
+              "single_slot": single, "targets": targets}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(json.dumps(targets, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

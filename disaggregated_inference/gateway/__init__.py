@@ -1,0 +1,1 @@
+"""The gateway: the cluster behind the OpenAI and Ollama HTTP APIs (``disagg gateway``)."""

@@ -1,0 +1,109 @@
+"""The OpenAI-compatible API: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``.
+
+A streamed answer is Server-Sent Events (``data: {chunk}`` lines, then ``data:
+[DONE]``). Its headers say what is known when they leave: the method as routed,
+the prefill and decode servers and the bundle's size; the last chunk with choices
+carries every fact (with the final method and the recomputed prompt tokens) in
+its ``disagg`` field, as every non-streamed answer does.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from flask import Blueprint, Response
+
+from . import sse
+from .app import complete, fact_headers, facts, json_body, open_stream, state
+from .parse import GatewayRequest, parse_openai_chat, parse_openai_completion
+
+openai = Blueprint("openai", __name__, url_prefix="/v1")
+OWNER = "disaggregated-inference"
+
+
+def _finish_reason(reason) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def _usage(metrics: dict) -> dict:
+    return {"prompt_tokens": metrics.get("prompt_tokens") or 0,
+            "completion_tokens": metrics.get("completion_tokens") or 0,
+            "total_tokens": metrics.get("total_tokens") or 0}
+
+
+def _json(body: dict, headers: dict) -> Response:
+    return Response(json.dumps(body), mimetype="application/json", headers=headers)
+
+
+@openai.get("/models")
+def models():
+    cfg = state().config
+    created = int(state().started_at)
+    data = []
+    for key, entry in cfg.models.items():
+        for name in [key, *entry.get("aliases", [])]:
+            data.append({"id": name, "object": "model", "created": created, "owned_by": OWNER})
+    return _json({"object": "list", "data": data}, {})
+
+
+@openai.get("/models/<path:name>")
+def model(name: str):
+    state().config.resolve_model(name)  # 404 if unknown
+    return _json({"id": name, "object": "model", "created": int(state().started_at), "owned_by": OWNER}, {})
+
+
+@openai.post("/chat/completions")
+def chat_completions():
+    return _answer(parse_openai_chat(json_body()), chat=True)
+
+
+@openai.post("/completions")
+def completions():
+    return _answer(parse_openai_completion(json_body()), chat=False)
+
+
+def _answer(req: GatewayRequest, chat: bool) -> Response:
+    ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    if req.stream:
+        return _stream(req, chat, ident, created)
+    text, metrics = complete(req, "openai")
+    reason = _finish_reason(metrics.get("finish_reason"))
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+              if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+    body = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": req.model, "choices": [choice], "usage": _usage(metrics), "disagg": facts(metrics)}
+    return _json(body, fact_headers(metrics))
+
+
+def _stream(req: GatewayRequest, chat: bool, ident: str, created: int) -> Response:
+    route, events = open_stream(req, "openai")
+    base = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": req.model}
+
+    def chunk(text: str | None, reason=None, role: bool = False) -> dict:
+        if chat:
+            delta = {"role": "assistant", "content": text or ""} if role else ({} if text is None else {"content": text})
+            return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+        return {**base, "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}]}
+
+    def body():
+        first = True
+        for kind, value in events:
+            if kind == "piece":
+                yield sse.event(chunk(value, role=first and chat))
+                first = False
+            elif kind == "done":
+                last = chunk(None, _finish_reason(value.get("finish_reason")))
+                last["disagg"] = facts(value)
+                yield sse.event(last)
+                if req.include_usage:
+                    yield sse.event({**base, "choices": [], "usage": _usage(value)})
+            else:  # the stream had started: the error goes in-band, as OpenAI's streams do
+                yield sse.event({"error": {"message": value.message, "type": "server_error", "param": value.field,
+                                           "code": value.code}})
+        yield sse.DONE
+
+    return Response(body(), mimetype="text/event-stream",
+                    headers={**fact_headers(route), "Cache-Control": "no-cache"})

@@ -1,0 +1,284 @@
+"""Typed parsing of the OpenAI and Ollama request bodies, once, at the gateway's edge.
+
+Both APIs become one ``GatewayRequest``: what the ``DisaggregatedClient`` is asked
+to do. What the cluster cannot honour (several choices, log-probabilities, tools,
+images, an Ollama ``context``) is refused with a ``BadRequest`` naming the field,
+never silently dropped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import BadRequest
+
+UNLIMITED_TOKENS = 1 << 20  # the decode server stops at the end of its context first
+
+
+@dataclass(frozen=True)
+class GatewayRequest:
+    model: str
+    prompt: str | None = None
+    messages: tuple | None = None
+    system: str | None = None
+    raw: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple = ()
+    json_schema: dict | None = None
+
+    def client_kwargs(self) -> dict:
+        """The keyword arguments of ``DisaggregatedClient.generate`` / ``.stream``."""
+        kwargs = {"model": self.model, "max_tokens": self.max_tokens, "temperature": self.temperature,
+                  "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed, "stop": list(self.stop) or None,
+                  "json_schema": self.json_schema, "raw": self.raw, "system": self.system}
+        if self.messages is not None:
+            kwargs["messages"] = [dict(m) for m in self.messages]
+        else:
+            kwargs["prompt"] = self.prompt
+        return kwargs
+
+
+def _object(body) -> dict:
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", field="body")
+    return body
+
+
+def _get(body: dict, key: str, kinds, default=None, *, what: str, where: str = ""):
+    value = body.get(key)
+    if value is None:
+        return default
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise BadRequest(f"'{where}{key}' must be {what}", field=f"{where}{key}")
+    return value
+
+
+def _number(body, key, default, lo, hi, *, integer=False, where=""):
+    value = _get(body, key, int if integer else (int, float), default, where=where,
+                 what="an integer" if integer else "a number")
+    if value is not None and not lo <= value <= hi:
+        raise BadRequest(f"'{where}{key}' must be between {lo} and {hi}, got {value}", field=f"{where}{key}")
+    return value
+
+
+def _stop(value, field: str) -> tuple:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise BadRequest(f"'{field}' must be a string or a list of non-empty strings", field=field)
+    return tuple(value)
+
+
+def _unknown(body: dict, allowed: set, refused: dict) -> None:
+    for key, why in refused.items():
+        if body.get(key):  # absent, null, false or empty: nothing asked
+            raise BadRequest(f"'{key}' is not supported by this gateway: {why}", field=key)
+    unknown = sorted(set(body) - allowed - set(refused))
+    if unknown:
+        raise BadRequest(f"unknown or unsupported parameter '{unknown[0]}'", field=unknown[0])
+
+
+def _model(body: dict) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required (a model name or alias)", field="model")
+    return model
+
+
+# -- OpenAI ------------------------------------------------------------------------------------
+
+OPENAI_REFUSED = {
+    "logprobs": "log-probabilities are not returned", "top_logprobs": "log-probabilities are not returned",
+    "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
+    "functions": "function calls are not supported", "function_call": "function calls are not supported",
+    "parallel_tool_calls": "tool calls are not supported", "logit_bias": "logit bias is not supported",
+    "audio": "audio is not supported", "modalities": "only text is supported",
+    "prediction": "predicted outputs are not supported", "echo": "echo is not supported",
+    "suffix": "suffix (insertion) is not supported", "best_of": "best_of is not supported",
+}
+OPENAI_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
+                 "user", "frequency_penalty", "presence_penalty", "response_format", "store", "metadata"}
+
+
+def _openai_common(body: dict) -> dict:
+    if body.get("n") not in (None, 1):
+        raise BadRequest("'n' must be 1: the gateway returns one choice", field="n")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if body.get(key) not in (None, 0, 0.0):
+            raise BadRequest(f"'{key}' is not supported (only 0)", field=key)
+    if "max_tokens" in body and "max_completion_tokens" in body:
+        raise BadRequest("give 'max_tokens' or 'max_completion_tokens', not both", field="max_completion_tokens")
+    key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    stream = _get(body, "stream", bool, False, what="a boolean")
+    options = _get(body, "stream_options", dict, {}, what="an object")
+    if options and not stream:
+        raise BadRequest("'stream_options' is only allowed with 'stream': true", field="stream_options")
+    if set(options) - {"include_usage"}:
+        raise BadRequest("'stream_options' may only hold 'include_usage'", field="stream_options")
+    return {
+        "model": _model(body),
+        "stream": stream,
+        "include_usage": _get(options, "include_usage", bool, False, what="a boolean", where="stream_options."),
+        "max_tokens": _number(body, key, UNLIMITED_TOKENS, 1, UNLIMITED_TOKENS, integer=True),
+        "temperature": float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+        "top_p": float(_number(body, "top_p", 1.0, 0.0, 1.0)),
+        "seed": _number(body, "seed", None, -(1 << 31), (1 << 32) - 1, integer=True),
+        "stop": _stop(body.get("stop"), "stop"),
+        "json_schema": _response_format(body.get("response_format")),
+    }
+
+
+def _response_format(value) -> dict | None:
+    """``response_format`` as the decode-time grammar: a JSON schema (any object for json_object)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise BadRequest("'response_format.type' must be 'text', 'json_object' or 'json_schema'",
+                         field="response_format")
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_object":
+        return {"type": "object"}
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise BadRequest("'response_format.json_schema.schema' must be a JSON schema object",
+                         field="response_format.json_schema")
+    return spec["schema"]
+
+
+def _openai_content(content, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRequest(f"messages[{i}].content: only text parts are supported", field=f"messages[{i}].content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", field=f"messages[{i}].content")
+
+
+def parse_openai_chat(body) -> GatewayRequest:
+    body = _object(body)
+    _unknown(body, OPENAI_COMMON | {"messages", "max_completion_tokens"}, OPENAI_REFUSED)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", field="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
+            raise BadRequest(f"messages[{i}].role must be system, developer, user or assistant (tools are not "
+                             "supported)", field=f"messages[{i}].role")
+        if m.get("tool_calls"):
+            raise BadRequest("tool calls are not supported", field=f"messages[{i}].tool_calls")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": _openai_content(m.get("content"), i)})
+    return GatewayRequest(messages=tuple(out), **_openai_common(body))
+
+
+def parse_openai_completion(body) -> GatewayRequest:
+    body = _object(body)
+    _unknown(body, OPENAI_COMMON | {"prompt"}, OPENAI_REFUSED)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise BadRequest("'prompt' must be a non-empty string (one prompt per request)", field="prompt")
+    # a completion continues the text as written: no chat template
+    return GatewayRequest(prompt=prompt, raw=True, **_openai_common(body))
+
+
+# -- Ollama ------------------------------------------------------------------------------------
+
+OLLAMA_REFUSED = {
+    "context": "the KV of a previous answer is not kept; send the conversation to /api/chat instead",
+    "images": "images are not supported", "template": "the model's own template is always used",
+    "suffix": "suffix (insertion) is not supported", "think": "thinking is not supported",
+    "tools": "tool calls are not supported", "logprobs": "log-probabilities are not returned",
+    "top_logprobs": "log-probabilities are not returned",
+}
+OLLAMA_COMMON = {"model", "stream", "format", "options", "keep_alive"}
+OLLAMA_SAMPLING = {"temperature", "top_p", "top_k", "seed", "num_predict", "stop"}
+# runner settings fixed by each server's config: accepted, with no effect (Ollama reloads the model for them)
+OLLAMA_RUNNER = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "numa",
+                 "low_vram", "num_keep"}
+
+
+def _ollama_common(body: dict) -> dict:
+    options = _get(body, "options", dict, {}, what="an object")
+    for key in options:
+        if key not in OLLAMA_SAMPLING | OLLAMA_RUNNER:
+            raise BadRequest(f"option '{key}' is not supported (supported: {', '.join(sorted(OLLAMA_SAMPLING))})",
+                             field=f"options.{key}")
+    num_predict = _number(options, "num_predict", -1, -2, UNLIMITED_TOKENS, integer=True, where="options.")
+    seed = _number(options, "seed", None, -(1 << 31), (1 << 32) - 1, integer=True, where="options.")
+    fmt = body.get("format")
+    if fmt in (None, ""):
+        schema = None
+    elif fmt == "json":
+        schema = {"type": "object"}
+    elif isinstance(fmt, dict):
+        schema = fmt
+    else:
+        raise BadRequest("'format' must be \"json\" or a JSON schema object", field="format")
+    _get(body, "keep_alive", (str, int, float), None, what="a duration")  # servers keep their models loaded
+    return {
+        "model": _model(body),
+        "stream": _get(body, "stream", bool, True, what="a boolean"),
+        "max_tokens": UNLIMITED_TOKENS if num_predict <= 0 else num_predict,  # -1, -2, 0: until stop or context end
+        "temperature": float(_number(options, "temperature", 0.8, 0.0, 5.0, where="options.")),
+        "top_p": float(_number(options, "top_p", 0.9, 0.0, 1.0, where="options.")),
+        "top_k": _number(options, "top_k", 40, 0, 1 << 20, integer=True, where="options."),
+        "seed": None if seed is not None and seed < 0 else seed,  # -1: random, as in Ollama
+        "stop": _stop(options.get("stop"), "options.stop"),
+        "json_schema": schema,
+    }
+
+
+def parse_ollama_generate(body) -> GatewayRequest:
+    """``/api/generate``; an empty prompt only "loads" the model (answered without a generation)."""
+    body = _object(body)
+    _unknown(body, OLLAMA_COMMON | {"prompt", "system", "raw"}, OLLAMA_REFUSED)
+    prompt = _get(body, "prompt", str, "", what="a string")
+    raw = _get(body, "raw", bool, False, what="a boolean")
+    system = _get(body, "system", str, None, what="a string")
+    if raw and system is not None:
+        raise BadRequest("raw mode does not support template, system, or context", field="system")
+    return GatewayRequest(prompt=prompt, raw=raw, system=system, **_ollama_common(body))
+
+
+def parse_ollama_chat(body) -> GatewayRequest:
+    body = _object(body)
+    _unknown(body, OLLAMA_COMMON | {"messages"}, OLLAMA_REFUSED)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", field="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+            raise BadRequest(f"messages[{i}].role must be system, user or assistant", field=f"messages[{i}].role")
+        for key in ("images", "tool_calls"):
+            if m.get(key):
+                raise BadRequest(f"messages[{i}].{key} is not supported", field=f"messages[{i}].{key}")
+        if not isinstance(m.get("content"), str):
+            raise BadRequest(f"messages[{i}].content must be a string", field=f"messages[{i}].content")
+        out.append({"role": m["role"], "content": m["content"]})
+    return GatewayRequest(messages=tuple(out), **_ollama_common(body))
+
+
+def parse_model_name(body) -> str:
+    """``/api/show``: ``{"model": NAME}`` (older clients send ``name``)."""
+    body = _object(body)
+    name = body.get("model") or body.get("name")
+    if not isinstance(name, str) or not name:
+        raise BadRequest("'model' is required", field="model")
+    return name

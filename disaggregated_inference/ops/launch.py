@@ -1,0 +1,111 @@
+"""How a server process is started: the gunicorn command line and its environment.
+
+``disagg serve`` (what the systemd and launchd units run) and ``disagg up``
+(the local cluster) both start servers through ``server_command``, so a server
+runs the same way under either.
+
+**Large copies bypass the CPU cache.** The KV export and import are llama.cpp
+copying a prompt's KV between its cache tensors and a buffer, one ``memcpy``
+per layer for keys and one for values (770 KB each at 2k tokens of SmolLM2,
+megabytes in production). glibc's x86 ``memcpy`` stores non-temporally only
+from a threshold sized from the L3 cache (41 MiB on the development machine),
+so each of these copies first reads every cache line it is about to overwrite:
+they ran at about 60% of the speed of one large copy. Setting glibc's
+``x86_non_temporal_threshold`` tunable to ``non_temporal_copy_bytes`` (default
+256 KiB) made both about a quarter faster there (docs/benchmarks.md).
+The dynamic loader reads ``GLIBC_TUNABLES`` only when a process starts, so it
+is set here, in the server's environment. It applies to glibc on x86-64 Linux
+only; elsewhere (macOS, ARM) nothing is set. An operator's own setting of the
+same tunable in ``GLIBC_TUNABLES`` wins.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+
+TUNABLES = "GLIBC_TUNABLES"
+NON_TEMPORAL = "glibc.cpu.x86_non_temporal_threshold"
+MIN_NON_TEMPORAL_BYTES = 0x4040  # glibc ignores a smaller threshold
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind host is reachable from this machine only."""
+    import ipaddress
+
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
+def check_exposure(settings, bind: str, insecure: bool = False) -> None:
+    """A server listening beyond loopback needs an API token, or an explicit ``--insecure``."""
+    from ..errors import ConfigError
+
+    if bind.startswith(("fd://", "unix:")) or insecure or settings.api_token:
+        return
+    host = bind.rsplit(":", 1)[0] if bind.count(":") == 1 or bind.startswith("[") else bind
+    if not is_loopback(host):
+        raise ConfigError(f"server {settings.name!r} would listen on {bind} without an API token: anyone who can "
+                          "reach it could use it (and make it fetch KV). Set server.api_token or DISAGG_API_TOKEN, "
+                          "or pass --insecure on a network you trust", field="api_token")
+
+
+def server_command(settings, bind: str, environ=None) -> tuple[list[str], dict]:
+    """The command line and environment that run one server (``settings``: a ServerSettings) on ``bind``."""
+    env = dict(os.environ if environ is None else environ)
+    env.update(DISAGG_SERVER_SETTINGS=settings.to_json(), DISAGG_BIND=bind, DISAGG_PROC_NAME=f"disagg-{settings.name}",
+               DISAGG_THREADS=str(settings.threads))
+    env = with_copy_tunable(env, settings.non_temporal_copy_bytes)
+    return [sys.executable, "-m", "gunicorn", "-c", "python:disaggregated_inference.server.gunicorn_conf"], env
+
+
+def gateway_command(config: dict, bind: str, environ=None, threads: int = 32) -> tuple[list[str], dict]:
+    """The command line and environment that run the gateway (``config``: the cluster's config as a dict)."""
+    env = dict(os.environ if environ is None else environ)
+    env.update(DISAGG_GATEWAY_CONFIG=json.dumps(config), DISAGG_BIND=bind, DISAGG_PROC_NAME="disagg-gateway",
+               DISAGG_THREADS=str(threads))
+    return [sys.executable, "-m", "gunicorn", "-c", "python:disaggregated_inference.gateway.gunicorn_conf"], env
+
+
+def glibc_on_x86() -> bool:
+    try:
+        libc = os.confstr("CS_GNU_LIBC_VERSION") or ""
+    except (ValueError, OSError):  # no such name outside glibc
+        return False
+    return libc.startswith("glibc") and platform.machine().lower() in ("x86_64", "amd64")
+
+
+def with_copy_tunable(environ: dict, threshold: int) -> dict:
+    """``environ`` with glibc told to copy ``threshold`` bytes and more with non-temporal stores.
+
+    Unchanged for a threshold of 0, off glibc on x86-64, or when
+    ``GLIBC_TUNABLES`` already names the tunable; other tunables are kept.
+    """
+    if not threshold or not glibc_on_x86() or _tunable(environ, NON_TEMPORAL) is not None:
+        return environ
+    current, setting = environ.get(TUNABLES, ""), f"{NON_TEMPORAL}={threshold}"
+    return {**environ, TUNABLES: f"{current}:{setting}" if current else setting}
+
+
+def copy_tunable_in_effect(environ=None) -> int | None:
+    """The non-temporal copy threshold this process was started with; None for glibc's own."""
+    value = _tunable(os.environ if environ is None else environ, NON_TEMPORAL)
+    try:
+        return None if value is None else int(value, 0)
+    except ValueError:
+        return None
+
+
+def _tunable(environ, name: str) -> str | None:
+    """The value ``GLIBC_TUNABLES`` in ``environ`` gives the tunable ``name`` (None: not given)."""
+    for item in environ.get(TUNABLES, "").split(":"):
+        key, sep, value = item.partition("=")
+        if key == name and sep:
+            return value
+    return None

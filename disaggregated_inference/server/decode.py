@@ -1,0 +1,182 @@
+"""The decode server: continue a prefilled prompt, or generate from scratch (fallback).
+
+Endpoints: ``GET /health``; ``POST /decode`` (a prefill's KV reference, pulled
+from the prefill server, or bare token ids, recomputed); ``POST /generate``
+(prompt -> text entirely on this machine). Both answer JSON, or NDJSON with
+``"stream": true``: one line per text piece, then a final line with metrics.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import time
+from functools import partial
+
+from flask import Flask
+
+from . import probe, web
+from ..kv import fingerprint, trust
+from .parse import parse_decode, parse_generate
+from ..backends.base import Received
+from ..kv.buffers import BufferPool
+from ..kv.bundle import KIND_NEUTRAL_KV, KIND_TOKEN_IDS
+from ..errors import BadRequest, DisaggError
+from ..kv.receive import fetch
+from .settings import resolve
+
+log = logging.getLogger(__name__)
+
+
+def _decode_job(received, sampling, pool, backend, cancelled):
+    """Runs on the model thread. Nothing it yields leaves before the payload has passed its
+    checksum (backends check right after importing; this holds for every backend), and the
+    receive buffer goes back to the pool once neither the backend nor the checksum reads it."""
+    buffer, verify = received.payload, received.verify
+    try:
+        for event in backend.decode(received, sampling, cancelled):
+            verify()  # returns at once after the first time
+            yield event
+    finally:
+        with contextlib.suppress(DisaggError):  # an error already on its way wins
+            verify()
+        pool.give(buffer)
+
+
+def vocabulary_size(backend) -> int | None:
+    """The backend's vocabulary size, where its fingerprint or description gives one (``n_vocab``)."""
+    for facts in (backend.fingerprint(), backend.describe()):
+        size = facts.get("n_vocab") if isinstance(facts, dict) else None
+        if isinstance(size, int) and size > 0:
+            return size
+    return None
+
+
+def check_vocabulary(tokens, backend) -> None:
+    """Token ids beyond the vocabulary are a 400 naming ``tokens``, before anything is queued."""
+    size = vocabulary_size(backend)
+    if size is not None and max(tokens) >= size:
+        raise BadRequest(f"'tokens' holds id {max(tokens)}, beyond this model's vocabulary of {size}", field="tokens")
+
+
+def run_events(events, received_at: float, extra: dict, stream: bool, observe=lambda metrics: None):
+    """Turn a backend's event stream into the JSON or NDJSON answer.
+
+    ``ttft`` is measured here, from the moment the request arrived to the first
+    token, so it includes KV transfer, queueing and import. A stream's answer
+    starts with its first event: whatever fails before it (a KV that fails its
+    checksum, a prompt too long for the context) is answered with its status
+    code, and only what fails later becomes the stream's last line.
+    """
+    def finish(metrics: dict, first_at: float | None) -> dict:
+        out = {**extra, **metrics}
+        out["ttft"] = round(first_at - received_at, 6) if first_at is not None else None
+        out["server_time"] = round(time.perf_counter() - received_at, 6)
+        observe(out)
+        return out
+
+    if not stream:
+        pieces, first_at, metrics = [], None, {}
+        for event in events:
+            if event.done:
+                metrics = event.metrics
+            else:
+                first_at = first_at or time.perf_counter()
+                pieces.append(event.piece)
+        metrics = finish(metrics, first_at)
+        return web.json_response({"generated_text": "".join(pieces), "finish_reason": metrics.pop("finish_reason", None),
+                                  "metrics": metrics})
+
+    head = next(events, None)  # errors before the first event propagate from here
+    head_at = time.perf_counter()
+
+    def lines():
+        first_at = None
+        try:
+            for event in itertools.chain([head] if head is not None else [], events):
+                if event.done:
+                    metrics = finish(event.metrics, first_at)
+                    yield {"done": True, "finish_reason": metrics.pop("finish_reason", None), "metrics": metrics}
+                else:
+                    first_at = first_at or (head_at if event is head else time.perf_counter())
+                    yield {"text": event.piece, "done": False}
+        except DisaggError as exc:
+            yield {**exc.to_dict(), "done": True}
+        except Exception as exc:  # the stream has started: report in-band, keep serving
+            log.exception("stream failed")
+            yield {"error": f"internal error: {type(exc).__name__}: {exc}", "code": "internal_error", "done": True}
+        finally:
+            events.close()
+    return web.ndjson(lines())
+
+
+def create_app(config=None, backend=None) -> Flask:
+    settings = resolve(config, role="decode")
+    app = web.create_base_app(settings, backend)
+    st = app.extensions["disagg"]
+    # receive buffers stay mapped (and faulted in) between handoffs: fresh memory faults on every page
+    pool = st.receive_buffers = BufferPool(idle_seconds=settings.kv_buffer_idle_seconds)
+    st.metrics.watch_receive_buffers(pool)
+
+    @app.post("/decode")
+    def decode():
+        received_at = time.perf_counter()
+        req = parse_decode(web.json_body(), web.request_limits())
+        web.check_model(req.model)
+        if req.kv is not None:  # before anything else: an untrusted URL is never contacted
+            trust.check_source(req.kv.url, settings.trusted_kv_sources)
+        if req.tokens is not None:
+            check_vocabulary(req.tokens, st.backend)
+        # a slot first: a server that cannot serve the request now must not consume the lease
+        reservation = st.owner.reserve()
+        try:
+            received, extra = _receive(req)
+        except BaseException:
+            reservation.release()
+            raise
+        extra["queue_time"] = round(reservation.waited, 6)
+        extra["handoff"] = received.kind
+        extra["kv_fetch_to_queue_time"] = round(time.perf_counter() - received_at, 6)
+        # the job holds the only reference to the bundle; the backend drops its payload once imported
+        events = st.owner.stream(partial(_decode_job, received, req.sampling, pool), reservation)
+        del received
+        return run_events(events, received_at, extra, req.stream, st.metrics.observe_decode)
+
+    def _receive(req):
+        extra: dict = {}
+        if req.kv is not None:
+            received, extra = fetch(req.kv, timeout=settings.kv_fetch_timeout,
+                                    connect_timeout=settings.connect_timeout, api_token=settings.api_token,
+                                    max_bytes=settings.max_kv_bytes, pool=pool,
+                                    socket_buffer=settings.kv_socket_buffer_bytes,
+                                    sources=settings.trusted_kv_sources,
+                                    progress_timeout=settings.kv_progress_timeout, room=st.backend.receive_room())
+            st.metrics.kv_bytes.inc(extra["kv_bytes"])
+            st.metrics.kv_transfer_seconds.observe(extra["kv_transfer_time"])
+            if extra["kv_transfer_time"] > settings.slow_transfer_seconds:
+                st.metrics.slow_transfers.inc()
+                log.warning("slow KV transfer: bytes=%d seconds=%.3f url=%s (continuing)", extra["kv_bytes"],
+                            extra["kv_transfer_time"], req.kv.url)
+        else:
+            received = Received(KIND_TOKEN_IDS, list(req.tokens), b"", req.fingerprint or {})
+            extra = {"kv_bytes": 0, "kv_transfer_time": 0.0}
+        ours = st.backend.fingerprint()
+        # a neutral bundle may come from another engine: the backend checks the weights it names (meta.neutral.model)
+        if (req.kv is not None or req.fingerprint) and received.kind != KIND_NEUTRAL_KV:
+            fingerprint.check(ours, received.fingerprint)
+        # bare ids ("tokens"/"context") without a fingerprint: nothing says which tokenizer made them
+        extra["fingerprint_checked"] = bool(req.kv is not None or req.fingerprint)
+        return received, extra
+
+    @app.post("/generate")
+    def generate():
+        received_at = time.perf_counter()
+        req = parse_generate(web.json_body(), web.request_limits())
+        web.check_model(req.model)
+        events = st.owner.stream(lambda backend, cancelled: backend.generate(req.prompt, req.sampling, cancelled))
+        st.metrics.decode_only.inc()
+        return run_events(events, received_at, {"handoff": "none", "kv_bytes": 0, "queue_time": round(events.queue_time, 6)},
+                          req.stream, st.metrics.observe_decode)
+
+    probe.register_decode(app, settings)  # POST /kv/probe: measure the path from a prefill server
+    return app

@@ -1,0 +1,21 @@
+"""Gunicorn settings for a prefill or decode server (``-c python:disaggregated_inference.server.gunicorn_conf``).
+
+One worker process per server: the model lives in that process, owned by one
+thread, and the KV leases live in its memory. ``gthread`` request threads queue
+work for the model thread; long generations do not trip the worker timeout
+because the worker's heartbeat runs on its own thread.
+"""
+import os
+
+bind = os.environ.get("DISAGG_BIND", "127.0.0.1:8000")
+workers = 1
+worker_class = "gthread"
+threads = int(os.environ.get("DISAGG_THREADS", "32"))
+timeout = int(os.environ.get("DISAGG_WORKER_TIMEOUT", "120"))
+graceful_timeout = 20
+keepalive = 75
+accesslog = os.environ.get("DISAGG_ACCESS_LOG") or None  # quiet by default; "-" for stdout
+errorlog = "-"
+loglevel = os.environ.get("DISAGG_GUNICORN_LOG_LEVEL", "warning")
+proc_name = os.environ.get("DISAGG_PROC_NAME", "disagg-server")
+wsgi_app = "disaggregated_inference.server.wsgi:create_app()"

@@ -1,0 +1,331 @@
+"""One thread owns the model; requests hold slots.
+
+HTTP threads never touch the backend: they reserve one of the backend's slots
+(``parallel`` in the config), hand a job to the owner and wait for its events.
+A request that cannot get a slot within ``queue_timeout``, or that finds
+``max_queue`` requests already waiting, gets 503 (``Overloaded``, with
+Retry-After) so the client can go elsewhere. A decode server reserves its slot
+before it pulls a KV bundle, so it never consumes a lease it cannot serve.
+
+A batched backend (llama.cpp) runs every admitted request as a generator on the
+owner thread: each step the owner collects the ``Eval`` requests of all of them
+and the backend evaluates them in one batch (continuous batching: requests join
+and leave between steps). Other backends (Ollama, which batches behind its own
+API) run each request to its end on one of ``slots`` worker threads.
+
+The owner thread also loads the model, so a server answers /health while loading.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Callable, Iterator
+
+from ..errors import BackendUnavailable, Overloaded
+
+log = logging.getLogger(__name__)
+_STOP = object()
+
+
+class Reservation:
+    """A slot held for one request, from before its work starts until it ends (or is given back)."""
+
+    def __init__(self, owner: "ModelOwner", waited: float):
+        self._owner, self.waited, self._held = owner, waited, True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._owner._release_slot()
+
+
+class _Job:
+    def __init__(self, fn, streaming: bool, reservation: Reservation):
+        self.fn, self.streaming, self.reservation = fn, streaming, reservation
+        self.out: queue.Queue = queue.Queue()
+        self.cancelled = False
+        self.queue_time = reservation.waited
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled
+
+    def run(self, backend) -> None:
+        """Run the whole job here (unbatched backends)."""
+        try:
+            if self.streaming:
+                for event in self.fn(backend, self.is_cancelled):
+                    self.out.put(("item", event))
+                    if self.cancelled:
+                        break
+            else:
+                self.out.put(("value", self.fn(backend)))
+            self.out.put(("end", None))
+        except BaseException as exc:  # handed to the waiting HTTP thread
+            self.out.put(("error", exc))
+        finally:
+            self.reservation.release()
+
+
+class _Task:
+    """A job running as a generator on the owner thread, and the Eval it waits for."""
+
+    def __init__(self, job: _Job, gen):
+        self.job, self.gen, self.pending = job, gen, None
+
+
+class ModelOwner:
+    def __init__(self, backend, queue_timeout: float = 30.0, max_queue: int = 64):
+        self.backend = backend
+        self.queue_timeout = queue_timeout
+        self.max_queue = max_queue
+        self.slots = getattr(backend, "slots", 1)
+        self._jobs: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._free = threading.Semaphore(self.slots)
+        self._busy = 0
+        self._waiting = 0
+        self.state = "loading"
+        self.progress = "queued"
+        self.error: str | None = None
+        self.loaded_at: float | None = None
+        self.active = 0  # requests the model is working on now
+        self.steps = 0
+        self.batch_tokens = deque(maxlen=256)  # tokens per llama_decode of the latest steps
+        self.on_step: Callable[[int, int], None] = lambda sequences, tokens: None
+        self._thread = threading.Thread(target=self._run, name="model-owner", daemon=True)
+        self._thread.start()
+
+    # -- state -----------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def busy(self) -> bool:
+        return self._busy > 0
+
+    @property
+    def queued(self) -> int:
+        return self._waiting
+
+    def slot_stats(self) -> dict:
+        with self._lock:
+            busy, waiting = self._busy, self._waiting
+        recent = list(self.batch_tokens)
+        return {"total": self.slots, "busy": busy, "free": self.slots - busy, "queued": waiting,
+                "max_queue": self.max_queue, "active": self.active, "steps": self.steps,
+                "mean_batch_tokens": round(sum(recent) / len(recent), 2) if recent else None}
+
+    def _set_progress(self, message: str) -> None:
+        self.progress = message
+        log.info("model load: %s", message)
+
+    def require_ready(self) -> None:
+        if self.state == "failed":
+            raise BackendUnavailable(f"model failed to load: {self.error}")
+        if self.state != "ready":
+            raise BackendUnavailable(f"model is still loading ({self.progress})", retry_after=5)
+
+    # -- slots -----------------------------------------------------------------------------------
+
+    def reserve(self) -> Reservation:
+        """Hold a slot for one request; 503 when the queue is full or no slot frees up in time."""
+        self.require_ready()
+        with self._lock:
+            if self._waiting >= self.max_queue and self._busy >= self.slots:
+                raise Overloaded(f"{self._waiting} requests already wait for one of {self.slots} slots",
+                                 retry_after=1)
+            self._waiting += 1
+        started = time.perf_counter()
+        try:
+            got = self._free.acquire(timeout=self.queue_timeout)
+        finally:
+            with self._lock:
+                self._waiting -= 1
+        if not got:
+            raise Overloaded(f"no slot of {self.slots} came free within {self.queue_timeout:g}s", retry_after=1)
+        with self._lock:
+            self._busy += 1
+        return Reservation(self, time.perf_counter() - started)
+
+    def _release_slot(self) -> None:
+        with self._lock:
+            self._busy -= 1
+        self._free.release()
+
+    # -- submitting work -------------------------------------------------------------------------
+
+    def _submit(self, fn, streaming: bool, reservation: Reservation | None) -> _Job:
+        job = _Job(fn, streaming, reservation or self.reserve())
+        self._jobs.put(job)
+        return job
+
+    def call(self, fn: Callable, reservation: Reservation | None = None):
+        """Run ``fn(backend)`` with a slot and return its result (a batched backend's generator is driven)."""
+        job = self._submit(fn, False, reservation)
+        kind, value = job.out.get()
+        if kind == "error":
+            raise value
+        return value
+
+    def stream(self, fn: Callable, reservation: Reservation | None = None) -> Iterator:
+        """Run ``fn(backend, cancelled)`` (a generator) with a slot; yield its events.
+
+        The slot is held (or a full queue or a loading model reported) before this
+        returns; closing the iterator early (a client went away) cancels the job.
+        """
+        return _JobStream(self._submit(fn, True, reservation))
+
+    def close(self) -> None:
+        self._jobs.put(_STOP)
+
+    # -- the owner thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.backend.load(progress=self._set_progress)
+            self.state, self.progress, self.loaded_at = "ready", "loaded", time.time()
+        except Exception as exc:  # the server stays up and reports the failure on /health
+            log.exception("model failed to load")
+            self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            return
+        try:
+            if getattr(self.backend, "batched", False):
+                self._serve_batched()
+            else:
+                self._serve_threads()
+        finally:
+            self.backend.close()
+
+    def _serve_threads(self) -> None:
+        def worker():
+            while True:
+                job = self._jobs.get()
+                if job is _STOP:
+                    self._jobs.put(_STOP)  # let the other workers see it
+                    return
+                with self._lock:
+                    self.active += 1
+                try:
+                    job.run(self.backend)
+                finally:
+                    with self._lock:
+                        self.active -= 1
+
+        workers = [threading.Thread(target=worker, name=f"model-worker-{i}", daemon=True) for i in range(self.slots)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+
+    def _serve_batched(self) -> None:
+        active: list[_Task] = []
+        while True:
+            try:  # wait for work only when there is nothing to step
+                job = self._jobs.get(block=not active)
+            except queue.Empty:
+                job = None
+            while job is not None:
+                if job is _STOP:
+                    for task in active:
+                        task.gen.close()
+                        task.job.reservation.release()
+                    return
+                self._start(job, active)
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    job = None
+            for task in [t for t in active if t.job.cancelled]:
+                self._finish(task, active, None)
+            pending = [t for t in active if t.pending is not None]
+            self.active = len(active)
+            if not pending:
+                continue
+            try:
+                n = self.backend.evaluate([t.pending for t in pending])
+            except Exception as exc:
+                log.exception("batch evaluation failed")
+                for task in pending:
+                    self._finish(task, active, ("error", exc))
+                continue
+            self.steps += 1
+            self.batch_tokens.append(n)
+            self.on_step(len(pending), n)
+            for task in pending:
+                if task.pending.complete:
+                    self._advance(task, active)
+
+    def _start(self, job: _Job, active: list) -> None:
+        try:
+            gen = job.fn(self.backend, job.is_cancelled) if job.streaming else job.fn(self.backend)
+        except BaseException as exc:
+            job.out.put(("error", exc))
+            job.reservation.release()
+            return
+        if not job.streaming and not hasattr(gen, "send"):  # a plain value: nothing to batch
+            job.out.put(("value", gen))
+            job.reservation.release()
+            return
+        task = _Task(job, gen)
+        active.append(task)
+        self._advance(task, active)
+
+    def _advance(self, task: _Task, active: list) -> None:
+        """Run the task's generator until it asks for an evaluation, or ends."""
+        job, task.pending = task.job, None
+        try:
+            while True:
+                item = task.gen.send(None)
+                if hasattr(item, "seq") and hasattr(item, "tokens"):  # an Eval
+                    task.pending = item
+                    return
+                job.out.put(("item", item))
+                if job.cancelled:
+                    self._finish(task, active, None)
+                    return
+        except StopIteration as stop:
+            self._finish(task, active, ("end", None) if job.streaming else ("value", stop.value))
+        except BaseException as exc:
+            self._finish(task, active, ("error", exc))
+
+    def _finish(self, task: _Task, active: list, outcome) -> None:
+        if outcome is None:  # cancelled: the generator's cleanup frees its sequence
+            task.gen.close()
+        if task in active:
+            active.remove(task)
+        task.job.reservation.release()
+        if outcome is not None:
+            task.job.out.put(outcome)
+
+
+class _JobStream:
+    """The events of a streaming job; closing it early cancels the job."""
+
+    def __init__(self, job: _Job):
+        self._job = job
+        self.queue_time = job.queue_time
+        self._done = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        kind, value = self._job.out.get()
+        if kind == "item":
+            return value
+        self._done = True
+        self._job.cancelled = True
+        if kind == "error":
+            raise value
+        raise StopIteration
+
+    def close(self) -> None:
+        self._done = True
+        self._job.cancelled = True

@@ -1,0 +1,103 @@
+"""What one server process needs to know: its role, its model, its limits.
+
+A server gets its settings from, in order: the defaults here, then the cluster
+config file and server name (``DISAGG_CONFIG`` + ``DISAGG_SERVER``) or a JSON
+object in ``DISAGG_SERVER_SETTINGS`` (what ``disagg serve`` passes to gunicorn),
+then a dict given to ``create_app`` (tests).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields, replace
+
+from .. import config as cluster_config
+from ..backends.base import ModelSettings
+from ..errors import ConfigError
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ServerSettings(cluster_config.ServerOptions):
+    """One server: the cluster-wide limits (``ServerOptions``) plus its role, model and name."""
+
+    role: str = "prefill"
+    model: ModelSettings = field(default_factory=ModelSettings)
+    name: str = ""
+    data_url: str | None = None  # base URL peers use to fetch KV from this server
+    aliases: tuple = ()
+    kv_peers: tuple = ()  # decode: the cluster's prefill servers (data_url or host:port), trusted KV sources
+
+    @property
+    def trusted_kv_sources(self) -> tuple:
+        return (*self.kv_peers, *self.kv_sources)
+
+    def to_json(self) -> str:
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model"}
+        data["model"] = {f.name: getattr(self.model, f.name) for f in fields(self.model)}
+        data["aliases"] = list(self.aliases)
+        return json.dumps(data)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "settings") -> "ServerSettings":
+        data = dict(data)
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(f"{where}: unknown server setting {sorted(unknown)[0]!r}", field=sorted(unknown)[0])
+        model = data.pop("model", {})
+        if isinstance(model, dict):
+            unknown = set(model) - set(ModelSettings.__dataclass_fields__)
+            if unknown:
+                raise ConfigError(f"{where}: unknown model setting {sorted(unknown)[0]!r}", field=f"model.{sorted(unknown)[0]}")
+            model = ModelSettings(**model)
+        if data.get("role", "prefill") not in ROLES:
+            raise ConfigError(f"{where}: role must be one of {ROLES}, got {data.get('role')!r}", field="role")
+        for key in ("aliases", "kv_peers", "kv_sources"):
+            data[key] = tuple(data.get(key, ()))
+        return cls(model=model, **data)
+
+
+def prefill_addresses(entries) -> tuple:
+    """Where the KV of these prefill servers is fetched from: each one's ``data_url``, or its host:port."""
+    return tuple(e.data_url or e.address for e in entries)
+
+
+def from_cluster(cfg: cluster_config.ClusterConfig, server_name: str, prefill_entries=None) -> ServerSettings:
+    """One server's settings: its entry and model, and every key of the config's ``server`` section
+    that is a setting here, as the type of that setting's default (a config's ``30`` is ``30.0``).
+    A decode server's ``kv_peers`` are the config's prefill servers (or ``prefill_entries``, e.g. with
+    the ports a local cluster actually bound)."""
+    entry = cfg.find_server(server_name)
+    model = ModelSettings.from_dict(entry.settings, name=entry.model)
+    limits = {f.name: cfg.server[f.name] if f.default is None else type(f.default)(cfg.server[f.name])
+              for f in fields(ServerSettings) if f.name in cfg.server}
+    return ServerSettings(role=entry.role, model=model, name=entry.name, data_url=entry.data_url,
+                          aliases=tuple(cfg.models[entry.model].get("aliases", ())),
+                          kv_peers=prefill_addresses(cfg.prefill_servers if prefill_entries is None else prefill_entries),
+                          **limits)
+
+
+def resolve(override=None, role: str | None = None) -> ServerSettings:
+    if isinstance(override, ServerSettings):
+        settings = override
+    else:
+        raw = os.environ.get("DISAGG_SERVER_SETTINGS")
+        if raw:
+            try:
+                settings = ServerSettings.from_dict(json.loads(raw), "DISAGG_SERVER_SETTINGS")
+            except ValueError as exc:
+                raise ConfigError(f"DISAGG_SERVER_SETTINGS is not valid JSON: {exc}") from None
+        elif os.environ.get("DISAGG_SERVER"):
+            settings = from_cluster(cluster_config.load(), os.environ["DISAGG_SERVER"])
+        else:
+            settings = ServerSettings(role=role or "prefill")
+        if override:
+            base = json.loads(settings.to_json())
+            model = {**base.pop("model"), **override.get("model", {})}
+            base.update({k: v for k, v in override.items() if k != "model"})
+            base["model"] = model
+            settings = ServerSettings.from_dict(base, "create_app(config)")
+    if role and settings.role != role:
+        settings = replace(settings, role=role)
+    return settings

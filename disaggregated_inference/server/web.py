@@ -1,0 +1,239 @@
+"""What the prefill and decode servers share: the app skeleton, errors, health, auth.
+
+Errors become JSON here and nowhere else. Long-lived objects (the model owner,
+the lease table) live in ``app.extensions["disagg"]``.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+from flask import Flask, Response, current_app, request
+from werkzeug.exceptions import ClientDisconnected, HTTPException
+
+from .. import __version__, backends
+from ..errors import (BadRequest, DisaggError, ModelNotFound, PayloadTooLarge, RequestTimeout, Unauthorized,
+                      UnsupportedMediaType)
+from ..kv.receive import socket_buffer_in_effect
+from ..ops.launch import copy_tunable_in_effect
+from . import resources  # psutil: imported with the app (metrics.py samples it for /metrics too)
+from . import admission
+from .metrics import ServerMetrics
+from .parse import Limits
+from .owner import ModelOwner
+from .settings import ServerSettings
+
+log = logging.getLogger("disaggregated_inference.server")
+OPEN_ENDPOINTS = {"health", "metrics", "static"}
+
+
+@dataclass
+class ServerContext:
+    settings: ServerSettings
+    owner: ModelOwner
+    started_at: float = field(default_factory=time.time)
+    leases: object = None  # LeaseTable, prefill servers only
+    receive_buffers: object = None  # buffers.BufferPool, decode servers only
+    metrics: object = None  # ServerMetrics
+
+    @property
+    def backend(self):
+        return self.owner.backend
+
+
+def state() -> ServerContext:
+    return current_app.extensions["disagg"]
+
+
+def configure_logging() -> None:
+    """Structured (key=value) and quiet by default; DISAGG_LOG_LEVEL=INFO/DEBUG for more."""
+    level = os.environ.get("DISAGG_LOG_LEVEL", "WARNING").upper()
+    root = logging.getLogger("disaggregated_inference")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(
+            "ts=%(asctime)s level=%(levelname)s logger=%(name)s pid=%(process)d msg=%(message)r"))
+        root.addHandler(handler)
+    root.setLevel(level)
+
+
+def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flask:
+    configure_logging()
+    app = Flask(f"disaggregated_inference.{settings.role}")
+    app.json.sort_keys = False
+    backend = backend or backends.create(settings.model)
+    st = ServerContext(settings, ModelOwner(backend, settings.queue_timeout, settings.max_queue), leases=leases,
+                     metrics=ServerMetrics(settings.role, leases))
+    st.metrics.watch_owner(st.owner)
+    app.extensions["disagg"] = st
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
+    admission.install(app, settings.threads)
+
+    @app.errorhandler(DisaggError)
+    def _disagg_error(exc: DisaggError):
+        return error_response(exc)
+
+    @app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException):
+        return json_response({"error": exc.description, "code": exc.name.lower().replace(" ", "_")}, exc.code)
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return json_response({"error": f"internal error: {type(exc).__name__}: {exc}", "code": "internal_error"}, 500)
+
+    @app.before_request
+    def _auth():
+        token = settings.api_token
+        if not token or request.endpoint in OPEN_ENDPOINTS:
+            return None
+        given = request.headers.get("Authorization", "")
+        if not given.startswith("Bearer ") or not hmac.compare_digest(given[7:].encode(), token.encode()):
+            raise Unauthorized("missing or wrong API token (send 'Authorization: Bearer <token>')",
+                               field="Authorization")
+        return None
+
+    @app.after_request
+    def _count(response):
+        st.metrics.requests.labels(endpoint=request.endpoint or "unknown", status=str(response.status_code)).inc()
+        return response
+
+    @app.get("/metrics")
+    def metrics():
+        return Response(st.metrics.render(), mimetype="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/health")
+    def health():
+        owner = st.owner
+        body = {
+            "status": "healthy" if owner.ready else ("loading" if owner.state == "loading" else "unhealthy"),
+            "role": settings.role,
+            "name": settings.name,
+            "model": owner.backend.served_model(),  # the real name ("qwen3-coder:30b"), as the documents show
+            "model_key": settings.model.name,  # the config's key ("qwen")
+            "aliases": list(settings.aliases),
+            "loaded": owner.ready,
+            "backend": settings.model.backend,
+            "handoff": getattr(owner.backend, "handoff_kind", None),
+            "accepts": list(getattr(owner.backend, "accepts", ())),  # bundle kinds its /decode continues
+            "progress": owner.progress,
+            "error": owner.error,
+            "busy": owner.busy,
+            "queued": owner.queued,
+            "slots": owner.slot_stats(),
+            "uptime_s": round(time.time() - st.started_at, 1),
+            "non_temporal_copy_bytes": copy_tunable_in_effect(),
+            "version": __version__,
+            "time": time.time(),  # disagg doctor compares clocks
+            "auth_required": bool(settings.api_token),
+        }
+        if owner.ready:
+            body["model_info"] = owner.backend.describe()
+            body["fingerprint"] = owner.backend.fingerprint()  # what a bundle from/to this server must match
+            if body["model_info"].get("ready") is False:
+                body["status"], body["loaded"] = "degraded", False
+        if st.leases is not None:
+            body["leases"] = st.leases.stats()
+        if st.receive_buffers is not None:
+            body["receive_buffers"] = {**st.receive_buffers.stats(),
+                                       "socket_buffer_bytes": socket_buffer_in_effect(settings.kv_socket_buffer_bytes)}
+        body["resources"] = resources.snapshot()
+        return json_response(body, 200 if body["status"] in ("healthy", "loading") else 503)
+
+    return app
+
+
+def json_response(body: dict, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(json.dumps(body), status=status, mimetype="application/json", headers=headers)
+
+
+def error_response(exc: DisaggError) -> Response:
+    headers = {}
+    retry_after = exc.details.get("retry_after")
+    if retry_after is not None:
+        headers["Retry-After"] = str(int(max(1, retry_after)))
+    if exc.details.pop("close", False):  # the connection is in an unknown state (a body half read)
+        headers["Connection"] = "close"
+    if exc.status >= 500:
+        log.warning("request failed: status=%s code=%s error=%s", exc.status, exc.code, exc.message)
+    return json_response(exc.to_dict(), exc.status, headers)
+
+
+def json_body() -> dict:
+    """The request's JSON body, or a 400/408/413/415 that says what is wrong with it."""
+    if request.mimetype and request.mimetype != "application/json" and not request.mimetype.endswith("+json"):
+        raise UnsupportedMediaType(f"send the body as application/json, not {request.mimetype}", field="Content-Type",
+                                   close=True)  # its body is never read
+    data = read_body()
+    if not data:
+        raise BadRequest("request body is empty; send a JSON object", field="body")
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"malformed JSON body: {exc}", field="body") from None
+
+
+def read_body() -> bytes:
+    """The request body, read within ``body_timeout`` seconds in all (not per read: a client that
+    trickles a byte at a time is cut off too) and at most ``max_request_bytes`` long."""
+    settings = state().settings
+    limit = settings.max_request_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(f"request body of {request.content_length} bytes; this server takes at most {limit}",
+                              field="body", close=True)
+    sock = request.environ.get("gunicorn.socket")
+    deadline = time.monotonic() + settings.body_timeout
+    before = sock.gettimeout() if sock is not None else None
+    chunks, size = [], 0
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            if sock is not None:
+                sock.settimeout(left)
+            chunk = request.stream.read(min(1 << 20, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body over {limit} bytes", field="body", close=True)
+    except ClientDisconnected:
+        if time.monotonic() < deadline - 0.05:
+            raise BadRequest("the client closed the connection before sending the whole body", field="body",
+                             close=True) from None
+        raise RequestTimeout(f"the request body did not arrive within {settings.body_timeout:g}s",
+                             field="body", close=True) from None
+    except (socket.timeout, TimeoutError):
+        raise RequestTimeout(f"the request body did not arrive within {settings.body_timeout:g}s",
+                             field="body", close=True) from None
+    finally:
+        if sock is not None:
+            sock.settimeout(before)
+    return b"".join(chunks)
+
+
+def request_limits() -> Limits:
+    settings = state().settings
+    return Limits(prompt_chars=settings.max_prompt_chars, schema_bytes=settings.max_schema_bytes)
+
+
+def check_model(name: str | None) -> None:
+    """A request may name the model it expects; refuse it if this server serves another."""
+    if name is None:
+        return
+    settings = state().settings
+    known = {settings.model.name, settings.model.model, *settings.aliases}
+    if name.lower() not in {k.lower() for k in known if k}:
+        raise ModelNotFound(f"this server serves {settings.model.name or settings.model.model!r}, not {name!r}",
+                            field="model")
+
+
+def ndjson(lines) -> Response:
+    return Response((json.dumps(line) + "\n" for line in lines), mimetype="application/x-ndjson")

@@ -1,0 +1,271 @@
+"""Many requests at once on real servers: every request gets its own answer, slots come back.
+
+The session cluster's servers hold 4 slots each (``parallel``, the default); requests beyond that
+wait for a slot. Each slot has a KV stream of its own, so a request never reads another's cells,
+but llama.cpp's CPU kernels do not compute one sequence's attention bit-identically when other
+sequences share the step (measured below: logits move by up to ~0.4, argmax kept wherever the
+alone top-2 gap is not a near-tie). So greedy text under load equals the text served alone for
+most prompts, not all: the tests check the logits against a stated tolerance, and that every
+answer is its own prompt's (no cross-talk), as docs/ARCHITECTURE.md says.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from disaggregated_inference.client import DisaggregatedClient
+
+from .conftest import cluster_config_dict
+
+pytestmark = pytest.mark.slow
+
+TOPICS = ["revenue by region", "returns by product", "discount depth", "online orders", "store traffic",
+          "marketing spend", "inventory turns", "gross margin"]
+
+
+def prompt(i: int) -> str:
+    # 8 different prompts of ~60 to ~900 tokens
+    body = (f"Quarterly note {i}: the {TOPICS[i]} figures moved as the regional teams expected, with a few "
+            f"exceptions that the finance team explained in the appendix. ") * (1 + 4 * i)
+    return body + f"\nIn one sentence, what does note {i} say about {TOPICS[i]}?"
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    config = cluster.config
+    config["client"].update(prefill_timeout=600, decode_timeout=900)  # 8 prompts queue for 4 slots on 2 cores
+    c = DisaggregatedClient(config, health_check=False)
+    c.check_health()
+    yield c
+    c.close()
+
+
+# How far batching may move one sequence's next-token logits (max abs over the vocabulary): measured
+# 0 to 0.68 for SmolLM2 prompts of 200-600 tokens beside 1 to 3 other sequences (2-thread CPU build).
+BATCH_LOGIT_TOLERANCE = 1.0
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from disaggregated_inference.backends import ModelSettings, create
+
+    from .conftest import THREADS
+
+    b = create(ModelSettings(model="smollm2", n_threads=THREADS, n_ctx=2048, parallel=4))
+    b.load()
+    yield b
+    b.close()
+
+
+def test_batching_moves_logits_within_the_stated_tolerance_and_never_mixes_sequences(backend):
+    from disaggregated_inference.backends.base import Eval, Prompt
+
+    prompts = [backend.tokenize(Prompt(text=prompt(i)))[0] for i in (3, 0, 1, 5)]
+    alone = []
+    for tokens in prompts:
+        with backend.sequence() as seq:
+            backend.logits(seq, tokens[:-1])
+            alone.append(backend.logits(seq, tokens[-1:], len(tokens) - 1))
+    seqs = [backend._acquire() for _ in prompts]
+    try:
+        for seq, tokens in zip(seqs, prompts):
+            backend.logits(seq, tokens[:-1])
+        evals = [Eval(seq, tokens[-1:], len(tokens) - 1) for seq, tokens in zip(seqs, prompts)]
+        assert backend.evaluate(evals) == len(prompts)  # one step, four sequences
+        import llama_cpp
+        import numpy as np
+
+        batched = [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(backend.ctx.ctx, ev.row),
+                                         shape=(backend.model.n_vocab(),)).copy() for ev in evals]
+    finally:
+        for seq in seqs:
+            backend._release(seq)
+    for i, (b, a) in enumerate(zip(batched, alone)):
+        moved = float(np.abs(b - a).max())
+        print(f"prompt {i}: batched vs alone max |d logit| = {moved:.4f}")
+        assert moved <= BATCH_LOGIT_TOLERANCE
+        top2 = np.sort(a)[-2:]
+        if top2[1] - top2[0] > 2 * BATCH_LOGIT_TOLERANCE:
+            assert int(b.argmax()) == int(a.argmax())
+        # its own distribution, not a neighbour's
+        assert moved < min(float(np.abs(b - other).max()) for j, other in enumerate(alone) if j != i)
+
+
+def _words(text: str) -> set:
+    return {w.strip(".,:;!?'\"()").lower() for w in text.split()} - {""}
+
+
+def test_eight_prompts_at_once_each_get_their_own_answer(client, cluster, http, qwen_decode):
+    alone = [client.generate(model="qwen", prompt=prompt(i), max_tokens=24) for i in range(8)]
+    assert all(m["method"] == "kv_handoff" for _, m in alone)
+    assert alone[7][1]["prompt_tokens"] > 800
+    steps_before = http.get(f"{qwen_decode}/health").json()["slots"]["steps"]
+    results, combined = client.generate_many(
+        [{"model": "qwen", "prompt": prompt(i), "max_tokens": 24} for i in range(8)], max_workers=8)
+    assert combined["failed"] == 0
+    same = 0
+    for i, ((text, metrics), (expected, _)) in enumerate(zip(results, alone)):
+        assert metrics["method"] == "kv_handoff" and metrics["prompt_tokens_recomputed"] == 1
+        same += text == expected
+        # no cross-talk: the answer is closest to its own prompt's answer served alone
+        overlap = [len(_words(text) & _words(other)) / max(1, len(_words(text) | _words(other))) for other, _ in alone]
+        assert overlap[i] == max(overlap), f"prompt {i}: its answer is closer to another prompt's: {text!r}"
+    print(f"{same} of 8 answers identical to the prompt served alone")
+    assert same >= 4  # the rest part where batching moved a near-tie (see the tolerance test above)
+    health = http.get(f"{qwen_decode}/health").json()["slots"]
+    assert health["total"] == 4 and health["busy"] == 0
+    # they really ran together: fewer model steps than the tokens generated one request at a time
+    generated = sum(m["completion_tokens"] for _, m in results)
+    assert health["steps"] - steps_before < generated
+
+
+def _stream(url, body):
+    resp = requests.post(url, json={**body, "stream": True}, stream=True, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp, resp.iter_lines()
+
+
+def test_a_handoff_joins_while_other_sequences_are_mid_generation(http, qwen_prefill, qwen_decode):
+    long_body = {"prompt": prompt(2), "max_new_tokens": 48, "temperature": 0}
+    expected_long = http.post(f"{qwen_decode}/generate", json=long_body).json()["generated_text"]
+    pre = http.post(f"{qwen_prefill}/prefill", json={"prompt": prompt(5)}).json()
+    expected_handoff = http.post(f"{qwen_decode}/decode", json={"kv": pre["kv"], "max_new_tokens": 24}).json()
+
+    streams = [_stream(f"{qwen_decode}/generate", long_body) for _ in range(2)]
+    firsts = [json.loads(next(lines)) for _, lines in streams]  # both are generating now
+    assert all(not f["done"] for f in firsts)
+    pre = http.post(f"{qwen_prefill}/prefill", json={"prompt": prompt(5)}).json()
+    joined = http.post(f"{qwen_decode}/decode", json={"kv": pre["kv"], "max_new_tokens": 24}).json()
+    assert joined["metrics"]["prompt_tokens_recomputed"] == 1 and joined["metrics"]["method"] == "kv_handoff"
+    assert joined["metrics"]["completion_tokens"] > 0
+    texts = []
+    for first, (resp, lines) in zip(firsts, streams):
+        rest = [json.loads(line) for line in lines]
+        assert rest[-1]["done"] and rest[-1]["metrics"]["completion_tokens"] > 0
+        texts.append(first["text"] + "".join(r.get("text", "") for r in rest if not r["done"]))
+        resp.close()
+    # each stream is its own prompt's answer, not the handoff's (no cross-talk)
+    for text in texts:
+        assert len(_words(text) & _words(expected_long)) > len(_words(text) & _words(expected_handoff["generated_text"]))
+
+
+def test_a_stream_cancelled_mid_generation_frees_its_slot(http, qwen_decode):
+    resp, lines = _stream(f"{qwen_decode}/generate", {"prompt": prompt(1), "max_new_tokens": 3000,
+                                                     "temperature": 0.8, "seed": 1})
+    next(lines)
+    assert http.get(f"{qwen_decode}/health").json()["slots"]["busy"] >= 1
+    resp.close()  # the client goes away
+    deadline = time.time() + 20
+    while time.time() < deadline and http.get(f"{qwen_decode}/health").json()["slots"]["busy"]:
+        time.sleep(0.2)
+    assert http.get(f"{qwen_decode}/health").json()["slots"]["busy"] == 0
+
+
+def test_several_json_schema_requests_at_once_each_keep_their_grammar(http, qwen_decode):
+    schemas = [{"type": "object", "properties": {key: {"type": kind}}, "required": [key]}
+               for key, kind in (("score", "integer"), ("region", "string"), ("ok", "boolean"),
+                                 ("notes", "array"))]
+
+    def ask(schema):
+        body = {"prompt": f"Answer as JSON with the key {list(schema['properties'])[0]}.", "json_schema": schema,
+                "max_new_tokens": 40, "temperature": 0}
+        return http.post(f"{qwen_decode}/generate", json=body).json()
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, schemas))
+    kinds = {"integer": int, "string": str, "boolean": bool, "array": list}
+    for schema, answer in zip(schemas, answers):
+        if answer["finish_reason"] == "length":
+            continue  # cut by max_new_tokens: a prefix of valid JSON, not a whole document
+        value = json.loads(answer["generated_text"])
+        (key, spec), = schema["properties"].items()
+        assert isinstance(value[key], kinds[spec["type"]]), (schema, answer)
+    assert sum(a["finish_reason"] == "stop" for a in answers) >= 3
+
+
+def test_slots_never_leak_and_memory_stays_flat_over_200_mixed_requests(http, qwen_prefill, qwen_decode):
+    def one(i: int) -> int:
+        kind = i % 5
+        if kind == 0:  # a handoff
+            pre = http.post(f"{qwen_prefill}/prefill", json={"prompt": f"Note {i}: sales rose."}).json()
+            return http.post(f"{qwen_decode}/decode", json={"kv": pre["kv"], "max_new_tokens": 4}).status_code
+        if kind == 1:  # a stream cut short by its client
+            resp = requests.post(f"{qwen_decode}/generate", json={"prompt": f"Count to {i}.", "max_new_tokens": 64,
+                                                                  "stream": True}, stream=True, timeout=60)
+            next(resp.iter_lines())
+            resp.close()
+            return 200
+        if kind == 2:  # a bad request
+            return http.post(f"{qwen_decode}/generate", json={"prompt": "x", "max_new_tokens": -1}).status_code
+        if kind == 3:  # a prompt too long for the context
+            return http.post(f"{qwen_decode}/generate", json={"prompt": "word " * 5000}).status_code
+        return http.post(f"{qwen_decode}/generate", json={"prompt": f"Say {i}.", "max_new_tokens": 4}).status_code
+
+    def rss() -> int:
+        return http.get(f"{qwen_decode}/health").json()["resources"]["process_rss_bytes"]
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(50)))  # warm up: buffers, caches
+        before = rss()
+        statuses = list(pool.map(one, range(50, 250)))
+    assert set(statuses) <= {200, 400}
+    assert statuses.count(400) == 80
+    deadline = time.time() + 20
+    while time.time() < deadline and http.get(f"{qwen_decode}/health").json()["slots"]["busy"]:
+        time.sleep(0.2)
+    slots = http.get(f"{qwen_decode}/health").json()["slots"]
+    assert slots["busy"] == 0 and slots["free"] == slots["total"] and slots["queued"] == 0
+    growth = rss() - before
+    assert growth < 64 << 20, f"decode server RSS grew by {growth / 1e6:.0f} MB over 200 requests"
+
+
+@pytest.fixture(scope="module")
+def one_slot_server(tmp_path_factory):
+    """A decode server of its own with one slot and room for one waiting request."""
+    from disaggregated_inference.ops.cluster import LocalCluster
+
+    config = cluster_config_dict(max_queue=1, queue_timeout=30)
+    config["models"]["qwen"]["parallel"] = 1
+    with LocalCluster(config, names=["local-decode-qwen"], free_ports=True,
+                      log_dir=tmp_path_factory.mktemp("one-slot-logs")) as running:
+        running.wait_healthy(timeout=600)
+        yield running.processes[0].url
+
+
+def test_a_full_queue_gets_503_with_retry_after_and_the_server_keeps_serving(one_slot_server, http):
+    url = one_slot_server
+    assert http.get(f"{url}/health").json()["slots"]["total"] == 1
+    resp, lines = _stream(f"{url}/generate", {"prompt": prompt(0), "max_new_tokens": 400})
+    next(lines)  # the one slot is busy
+    waiting = threading.Thread(target=lambda: http.post(f"{url}/generate", json={"prompt": "Hi", "max_new_tokens": 2}))
+    waiting.start()
+    deadline = time.time() + 10
+    while time.time() < deadline and http.get(f"{url}/health").json()["slots"]["queued"] < 1:
+        time.sleep(0.05)
+    started = time.monotonic()
+    refused = requests.post(f"{url}/generate", json={"prompt": "Hello", "max_new_tokens": 2}, timeout=30)
+    assert time.monotonic() - started < 5  # at once, not after queue_timeout
+    assert refused.status_code == 503 and refused.json()["code"] == "overloaded"
+    assert int(refused.headers["Retry-After"]) >= 1
+    resp.close()
+    waiting.join(60)
+    ok = http.post(f"{url}/generate", json={"prompt": "Hello", "max_new_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["metrics"]["queue_time"] >= 0
+
+
+def test_the_client_prefers_the_server_with_free_slots(cluster):
+    config = cluster.config
+    extra = dict(config["decode_servers"][0], name="second-decode-qwen", port=1)
+    config["decode_servers"].append(extra)
+    c = DisaggregatedClient(config, health_check=False)
+    big, small = c.servers["local-decode-qwen"], c.servers["second-decode-qwen"]
+    big.health, small.health = {"slots": {"total": 4}}, {"slots": {"total": 1}}
+    big.outstanding = 2
+    assert c._candidates("decode", "qwen")[0] is big  # 2 free against 1
+    big.outstanding = 4
+    assert c._candidates("decode", "qwen")[0] is small

@@ -1,0 +1,94 @@
+"""Engine pairs through real gunicorn servers: llama.cpp prefill -> MLX decode, MLX prefill -> MLX decode.
+
+Model "smol" pairs a llama.cpp prefill server with an MLX decode server (the client asks the
+prefill server for neutral_kv because the decode server's /health accepts only that);
+"smol-mlx" pairs two MLX servers. Both continue the prompt after one recomputed token.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("mlx_lm")
+
+from .conftest import THREADS  # noqa: E402
+
+pytestmark = pytest.mark.slow
+PROMPT = "Name two uses of a pandas groupby."
+N_TOKENS = 8
+
+
+def engines_config() -> dict:
+    model = {"backend": "llama_cpp", "model": "smollm2", "n_ctx": 2048, "n_threads": THREADS}
+    return {
+        "models": {"smol": dict(model), "smol-mlx": dict(model, backend="mlx")},
+        "prefill_servers": [
+            {"name": "prefill-llama", "host": "127.0.0.1", "port": 18110, "model": "smol"},
+            {"name": "prefill-mlx", "host": "127.0.0.1", "port": 18111, "model": "smol-mlx"},
+        ],
+        "decode_servers": [
+            {"name": "decode-mlx", "host": "127.0.0.1", "port": 18112, "model": "smol", "backend": "mlx"},
+            {"name": "decode-mlx-2", "host": "127.0.0.1", "port": 18113, "model": "smol-mlx"},
+        ],
+        "client": {"prefill_timeout": 120, "decode_timeout": 300, "health_check_interval": 0, "retries": 1},
+        "server": {"lease_seconds": 60, "queue_timeout": 120},
+    }
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    from disaggregated_inference.ops.cluster import LocalCluster
+
+    with LocalCluster(engines_config(), free_ports=True, log_dir=tmp_path_factory.mktemp("engine-logs")) as running:
+        running.wait_healthy(timeout=900)
+        yield running
+
+
+@pytest.fixture(scope="module")
+def urls(engines) -> dict:
+    return {p.entry.name: p.url for p in engines.processes}
+
+
+def test_decode_server_advertises_the_kinds_it_accepts(urls, http):
+    health = http.get(urls["decode-mlx"] + "/health", timeout=30).json()
+    assert health["backend"] == "mlx" and health["accepts"] == ["neutral_kv", "token_ids"]
+    assert "llama_seq_state" in http.get(urls["prefill-llama"] + "/health", timeout=30).json()["accepts"]
+
+
+@pytest.mark.parametrize("model,prefill", [("smol", "prefill-llama"), ("smol-mlx", "prefill-mlx")])
+def test_pair_continues_with_one_recomputed_token_as_mlx_generates(engines, urls, http, model, prefill):
+    from disaggregated_inference.client import DisaggregatedClient
+
+    decode = "decode-mlx" if model == "smol" else "decode-mlx-2"
+    own = http.post(urls[decode] + "/generate", json={"prompt": PROMPT, "max_new_tokens": N_TOKENS,
+                                                       "temperature": 0}, timeout=300).json()
+    client = DisaggregatedClient(engines.config)
+    client.check_health()  # what the periodic checks do: the decode server's "accepts" picks the kind
+    text, metrics = client.generate(model=model, prompt=PROMPT, max_tokens=N_TOKENS, temperature=0)
+    assert metrics["method"] == "kv_handoff", metrics
+    assert metrics["prompt_tokens_recomputed"] == 1
+    assert metrics["prefill_server"].endswith(urls[prefill].rsplit(":", 1)[1])
+    assert text == own["generated_text"] and text
+
+
+def test_llama_prefill_converts_on_request_and_refuses_other_kinds(urls, http):
+    body = {"prompt": PROMPT}
+    native = http.post(urls["prefill-llama"] + "/prefill", json=body, timeout=120).json()
+    assert native["handoff"] == "llama_seq_state"
+    converted = http.post(urls["prefill-llama"] + "/prefill", json={**body, "kv_kind": "neutral_kv"}, timeout=120).json()
+    assert converted["handoff"] == "neutral_kv" and converted["metrics"]["kv_convert_time"] >= 0
+    refused = http.post(urls["prefill-mlx"] + "/prefill", json={**body, "kv_kind": "llama_seq_state"}, timeout=120)
+    assert refused.status_code == 400 and refused.json()["field"] == "kv_kind"
+    bad = http.post(urls["prefill-llama"] + "/prefill", json={**body, "kv_kind": "pickle"}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["field"] == "kv_kind"
+    # an MLX decode server refuses llama.cpp's own state: its fingerprint names another engine
+    answer = http.post(urls["decode-mlx"] + "/decode", json={"kv": native["kv"], "max_new_tokens": 2}, timeout=120)
+    assert answer.status_code == 409 and answer.json()["field"] == "fingerprint"
+    assert "backend: bundle has 'llama_cpp', this server has 'mlx'" in json.dumps(answer.json())
+
+
+def test_json_schema_is_refused_with_400(urls, http):
+    answer = http.post(urls["decode-mlx"] + "/generate", json={"prompt": PROMPT, "json_schema": {"type": "object"}},
+                       timeout=120)
+    assert answer.status_code == 400 and answer.json()["field"] == "json_schema"

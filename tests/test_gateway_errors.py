@@ -1,0 +1,134 @@
+"""The gateway's answers when the cluster cannot serve, and its edge checks (no models loaded).
+
+A real ``DisaggregatedClient`` behind the gateway's app (``app.test_client()``), aimed at
+ports where nothing listens, or at a socket that accepts and never answers.
+"""
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from disaggregated_inference import config as cluster_config
+from disaggregated_inference.errors import ConfigError
+from disaggregated_inference.gateway.app import create_app
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(prefill_port: int, decode_port: int, **extra) -> dict:
+    return {"models": {"qwen": {"aliases": ["qwen3-coder:30b"]}},
+            "prefill_servers": [{"name": "p", "host": "127.0.0.1", "port": prefill_port, "model": "qwen"}],
+            "decode_servers": [{"name": "d", "host": "127.0.0.1", "port": decode_port, "model": "qwen"}],
+            "client": {"health_check_interval": 0, "connect_timeout": 0.5, "decode_timeout": 0.5,
+                       "prefill_timeout": 0.5, "retries": 0},
+            # the decode servers' KV pulls must fit in the client's decode timeout (config check on load)
+            "server": {"kv_fetch_timeout": 0.4, "kv_progress_timeout": 0.2},
+            **extra}
+
+
+@pytest.fixture()
+def silent_server():
+    """A socket that accepts connections and never answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    yield sock.getsockname()[1]
+    sock.close()
+
+
+CHAT = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def test_no_server_able_to_serve_is_a_503_with_retry_after():
+    app = create_app(_config(_free_port(), _free_port()))
+    resp = app.test_client().post("/v1/chat/completions", json=CHAT)
+    assert resp.status_code == 503
+    assert int(resp.headers["Retry-After"]) >= 1
+    assert resp.json["error"]["type"] == "server_error" and resp.json["error"]["code"] == "no_server_available"
+    resp = app.test_client().post("/api/chat", json={"model": "qwen", "messages": CHAT["messages"]})  # streamed
+    assert resp.status_code == 503 and set(resp.json) == {"error"}  # Ollama's shape
+
+
+def test_a_decode_server_that_never_answers_is_a_504(silent_server):
+    # no prefill server reachable: the client falls back to the decode server, which times out
+    app = create_app(_config(_free_port(), silent_server))
+    resp = app.test_client().post("/v1/completions", json={"model": "qwen", "prompt": "hi", "max_tokens": 2})
+    assert resp.status_code == 504
+    assert resp.json["error"]["message"]
+
+
+def test_bad_bodies_are_400s_naming_the_field():
+    app = create_app(_config(_free_port(), _free_port()))
+    client = app.test_client()
+    cases = [
+        ("/v1/chat/completions", {**CHAT, "temperature": 9}, "temperature"),
+        ("/v1/chat/completions", {**CHAT, "frobnicate": 1}, "frobnicate"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ("/v1/completions", {"model": "qwen", "prompt": ["a", "b"]}, "prompt"),
+        ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+    ]
+    for path, body, param in cases:
+        resp = client.post(path, json=body)
+        assert resp.status_code == 400, (body, resp.json)
+        assert resp.json["error"]["param"] == param, resp.json
+    resp = client.post("/api/chat", json={"model": "qwen", "messages": [{"role": "user", "content": "x",
+                                                                         "images": ["aGk="]}]})
+    assert resp.status_code == 400 and "images" in resp.json["error"]
+    # curl -d sends JSON as a form: read as JSON all the same
+    resp = client.post("/v1/chat/completions", data=json.dumps({**CHAT, "n": 3}),
+                       content_type="application/x-www-form-urlencoded")
+    assert resp.status_code == 400 and resp.json["error"]["param"] == "n"
+    resp = client.post("/v1/chat/completions", data=b"{not json", content_type="application/json")
+    assert resp.status_code == 400 and resp.json["error"]["param"] == "body"
+
+
+def test_ollama_empty_prompt_only_loads_and_unknown_model_is_404():
+    client = create_app(_config(_free_port(), _free_port())).test_client()
+    resp = client.post("/api/generate", json={"model": "qwen3-coder:30b", "prompt": ""})
+    assert resp.json["done"] is True and resp.json["done_reason"] == "load"
+    resp = client.post("/api/show", json={"model": "nope"})
+    assert resp.status_code == 404 and resp.json == {"error": "model 'nope' not found"}
+
+
+def test_api_token_is_required_when_configured():
+    client = create_app(_config(_free_port(), _free_port(), gateway={"api_token": "s3cret"})).test_client()
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/api/version").status_code == 200  # open, like /health and /metrics
+    assert client.get("/metrics").status_code == 200
+    ok = client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200 and {m["id"] for m in ok.json["data"]} == {"qwen", "qwen3-coder:30b"}
+
+
+@pytest.mark.parametrize("gateway, field", [({"port": 0}, "gateway.port"), ({"bind": "x"}, "gateway.bind"),
+                                             ({"api_token": 5}, "gateway.api_token")])
+def test_gateway_section_is_validated(gateway, field):
+    with pytest.raises(ConfigError) as info:
+        cluster_config.from_dict(_config(1, 2, gateway=gateway), "c.json")
+    assert info.value.field == field and "c.json" in info.value.message
+
+
+def test_gateway_section_defaults():
+    cfg = cluster_config.from_dict(_config(1, 2))
+    assert cfg.gateway == {"host": "127.0.0.1", "port": 8080, "api_token": None}
+
+
+def test_the_gateway_runs_under_gunicorn_with_its_own_app():
+    import importlib
+
+    from disaggregated_inference.ops.cli import build_parser
+    from disaggregated_inference.ops.launch import gateway_command
+
+    cmd, env = gateway_command({"models": {}}, "127.0.0.1:0", environ={})
+    assert cmd[-1] == "python:disaggregated_inference.gateway.gunicorn_conf"
+    assert json.loads(env["DISAGG_GATEWAY_CONFIG"]) == {"models": {}} and env["DISAGG_BIND"] == "127.0.0.1:0"
+    conf = importlib.import_module("disaggregated_inference.gateway.gunicorn_conf")
+    assert conf.wsgi_app == "disaggregated_inference.gateway.wsgi:create_app()" and conf.workers == 1
+    assert build_parser().parse_args(["up"]).no_gateway is False
+    assert build_parser().parse_args(["gateway", "--bind", "0.0.0.0:9000"]).func.__name__ == "cmd_gateway"

@@ -1,0 +1,83 @@
+"""Issue 18 item 5: calibration notebooks graded as a teacher would order them, on the real embedded cluster.
+
+The unit part (no model) checks their evidence scores; the slow part grades them through the real servers and
+small packaged models twice: the order holds, the results are identical, and every feedback item a student
+would see is either a finding of the checks or model text that passed the quality checks.
+"""
+from pathlib import Path
+
+import pytest
+
+from disaggregated_inference import config as cluster_config
+from disaggregated_inference.client import DisaggregatedClient
+from disaggregated_inference.grading import GradingOptions, deterministic_part, grade_batch, load_rubric
+from disaggregated_inference.grading.analysis import instructions_of, plan_requests
+from disaggregated_inference.grading.evidence import check_rubric, collect_evidence
+from disaggregated_inference.grading.feedback import findings_for_student
+from disaggregated_inference.grading.notebook import load_submission
+from disaggregated_inference.grading.quality import NotebookText, item_problems, text_problems
+from disaggregated_inference.grading.scoring import evidence_score
+from tests.test_grading_real import patient
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+CALIBRATION = EXAMPLES / "notebooks" / "calibration"
+ORDER = ["excellent", "decent", "weak", "wrong"]
+
+
+@pytest.fixture(scope="module")
+def rubric():
+    return load_rubric(EXAMPLES / "rubric.yaml")
+
+
+def test_calibration_notebooks_are_real_and_their_evidence_is_ordered(rubric):
+    totals = {}
+    for name in ORDER:
+        sub = load_submission(CALIBRATION / f"{name}.ipynb")
+        assert sub.ok, sub.problems
+        code = [c for c in sub.notebook.cells if c.cell_type == "code"]
+        assert all(c.get("execution_count") for c in code) and any(c.get("outputs") for c in code)
+        checks = check_rubric(rubric, collect_evidence(sub.notebook))
+        totals[name] = sum(evidence_score(c, checks[c.id]).score for c in rubric.criteria)
+    assert totals == {"excellent": 40, "decent": 29.5, "weak": 19.5, "wrong": 9.5}
+
+
+def shown_items(result):
+    fb = result["feedback"]
+    for key in ("strengths", "improvements", "issues"):
+        yield from zip(fb[key], fb["sources"][key])
+
+
+@pytest.mark.slow
+def test_calibration_order_on_the_embedded_cluster_twice(cluster, rubric, tmp_path):
+    options = GradingOptions.for_cluster(cluster_config.coerce(cluster.config))
+    with DisaggregatedClient(patient(cluster.config), health_check=False) as client:
+        # one notebook at a time: the test cluster's decode servers have one slot each, and a second request
+        # waiting longer than the server's queue timeout on a slow machine would be refused (503)
+        runs = [grade_batch(CALIBRATION, rubric, client, tmp_path / f"run{i}", options, force=True, jobs=1)
+                for i in (1, 2)]
+    first, second = ([{r["submission"]["name"]: r for r in run.results}[n] for n in ORDER] for run in runs)
+    totals = [r["total"] for r in first]
+    assert totals[0] > totals[1] > totals[2] > totals[3], totals
+    assert [deterministic_part(r) for r in first] == [deterministic_part(r) for r in second]
+    for result in first:
+        assert result["status"] in ("graded", "needs_review"), result["review_reasons"]
+        for c in result["criteria"]:  # every number traced: the evidence's reason and the adjustment's
+            assert c["evidence_reason"] and c["adjustment_reason"], c
+            criterion = rubric.criterion(c["id"])
+            assert abs(c["score"] - c["evidence_score"]) <= criterion.points * criterion.model_band + 1e-9
+        sub = load_submission(result["submission"]["file"])
+        evidence = collect_evidence(sub.notebook)
+        checks = check_rubric(rubric, evidence)
+        found = findings_for_student(rubric, evidence, checks)
+        text = NotebookText.of(sub.notebook)
+        requests, _ = plan_requests(rubric, sub.notebook, evidence, checks, options)
+        instructions = {r.role: instructions_of(r.kwargs["prompt"]) for r in requests}
+        for item, source in shown_items(result):
+            if source == "checks":
+                assert item in found["strengths"] + found["improvements"]
+            else:  # model text shown to a student passed the checks
+                role = "code" if source == "code model" else "feedback"
+                assert item_problems(item, instructions[role], text) == [], (source, item)
+        if result["feedback"]["sources"]["summary"] == "feedback model":
+            assert [p for p in text_problems(result["feedback"]["summary"], instructions["feedback"])
+                    if p != "fewer than 3 words"] == []
