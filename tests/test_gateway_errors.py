@@ -89,6 +89,22 @@ def test_bad_bodies_are_400s_naming_the_field():
     assert resp.status_code == 400 and resp.json["error"]["param"] == "body"
 
 
+def test_a_body_over_the_configured_size_is_a_413_naming_the_body_and_the_gateway_keeps_serving():
+    cfg = _config(_free_port(), _free_port())
+    cfg["server"]["max_request_bytes"] = 4096
+    client = create_app(cfg).test_client()
+    big = {"model": "qwen", "messages": [{"role": "user", "content": "x" * 10_000}]}
+    for path in ("/v1/chat/completions", "/api/chat"):
+        resp = client.post(path, data=json.dumps(big), content_type="application/json")
+        assert resp.status_code == 413, resp.get_data(as_text=True)
+        error = resp.get_json()["error"]
+        if path.startswith("/v1"):
+            assert error["param"] == "body" and "4096" in error["message"]
+        else:
+            assert "4096" in error
+    assert client.get("/v1/models").status_code == 200
+
+
 def test_ollama_empty_prompt_only_loads_and_unknown_model_is_404():
     client = create_app(_config(_free_port(), _free_port())).test_client()
     resp = client.post("/api/generate", json={"model": "qwen3-coder:30b", "prompt": ""})

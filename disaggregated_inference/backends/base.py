@@ -133,6 +133,28 @@ def check_fits(n_prompt: int, n_ctx: int, what: str = "this server's context") -
         raise ContextOverflow(f"prompt has {n_prompt} tokens; {what} holds {n_ctx}", field="prompt")
 
 
+def gguf_prompt_tokens(prompt: Prompt, formatter, tokenize) -> tuple[list[int], tuple]:
+    """Token ids of a prompt and the stop strings its chat template adds, for the backends that read a
+    GGUF's vocabulary: ``formatter`` is its chat template (llama-cpp-python's ``Jinja2ChatFormatter``,
+    or None when it has none), ``tokenize(data: bytes, add_bos, special)`` its tokenizer."""
+    from ..errors import BadRequest
+
+    if prompt.raw or (formatter is None and prompt.messages is None):
+        text = prompt.text if prompt.system is None else f"{prompt.system}\n\n{prompt.text}"
+        return tokenize(text.encode("utf-8"), add_bos=True, special=False), ()
+    if formatter is None:
+        raise BadRequest("this model has no chat template; send 'prompt' with 'raw': true", field="messages")
+    messages = list(prompt.messages or ({"role": "user", "content": prompt.text},))
+    if prompt.system:
+        messages.insert(0, {"role": "system", "content": prompt.system})
+    try:
+        rendered = formatter(messages=messages)
+    except Exception as exc:  # the template's own raise_exception, or a jinja error
+        raise BadRequest(f"chat template rejected the messages: {exc}", field="messages") from None
+    tokens = tokenize(rendered.prompt.encode("utf-8"), add_bos=not rendered.added_special, special=True)
+    return tokens, tuple(s for s in rendered.stop if s)
+
+
 class Backend(abc.ABC):
     name: ClassVar[str]
     handoff_kind: ClassVar[str]

@@ -37,7 +37,7 @@ from ..kv.buffers import HUGE_THRESHOLD, sendable
 from ..kv.bundle import KIND_LLAMA_SEQ_STATE, KIND_TOKEN_IDS
 from ..errors import BadRequest, BundleError, FingerprintMismatch
 from .gguf import resolve_gguf
-from .base import Backend, Eval, Event, Prefilled, Prompt, Received, Sampling, check_fits, rate
+from .base import Backend, Eval, Event, Prefilled, Prompt, Received, Sampling, check_fits, gguf_prompt_tokens, rate
 
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 
@@ -173,21 +173,7 @@ class LlamaCppBackend(Backend):
 
     def tokenize(self, prompt: Prompt) -> tuple[list[int], tuple]:
         """Token ids of a prompt and the stop strings its chat template adds."""
-        if prompt.raw or (self._formatter is None and prompt.messages is None):
-            text = prompt.text if prompt.system is None else f"{prompt.system}\n\n{prompt.text}"
-            return self.model.tokenize(text.encode("utf-8"), add_bos=True, special=False), ()
-        if self._formatter is None:
-            raise BadRequest("this model has no chat template; send 'prompt' with 'raw': true", field="messages")
-        messages = list(prompt.messages or ({"role": "user", "content": prompt.text},))
-        if prompt.system:
-            messages.insert(0, {"role": "system", "content": prompt.system})
-        try:
-            rendered = self._formatter(messages=messages)
-        except Exception as exc:  # the template's own raise_exception, or a jinja error
-            raise BadRequest(f"chat template rejected the messages: {exc}", field="messages") from None
-        tokens = self.model.tokenize(rendered.prompt.encode("utf-8"), add_bos=not rendered.added_special,
-                                     special=True)
-        return tokens, tuple(s for s in rendered.stop if s)
+        return gguf_prompt_tokens(prompt, self._formatter, self.model.tokenize)
 
     def _check_fits(self, n_prompt: int) -> None:
         check_fits(n_prompt, self.settings.n_ctx)

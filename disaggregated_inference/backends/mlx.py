@@ -25,7 +25,7 @@ from ..errors import BadRequest, BundleError, FingerprintMismatch
 from ..kv import fingerprint as fp
 from ..kv import neutral
 from ..kv.bundle import KIND_NEUTRAL_KV, KIND_TOKEN_IDS
-from .base import Backend, Event, Prefilled, Prompt, Received, Sampling, check_fits, rate
+from .base import Backend, Event, Prefilled, Prompt, Received, Sampling, check_fits, gguf_prompt_tokens, rate
 from .gguf import resolve_gguf
 
 PREFILL_STEP = 512
@@ -112,20 +112,8 @@ class MlxBackend(Backend):
     # -- prompt -> tokens ------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> tuple[list[int], tuple]:
-        if prompt.raw or (self._formatter is None and prompt.messages is None):
-            text = prompt.text if prompt.system is None else f"{prompt.system}\n\n{prompt.text}"
-            return self.vocab.tokenize(text.encode("utf-8"), add_bos=True, special=False), ()
-        if self._formatter is None:
-            raise BadRequest("this model has no chat template; send 'prompt' with 'raw': true", field="messages")
-        messages = list(prompt.messages or ({"role": "user", "content": prompt.text},))
-        if prompt.system:
-            messages.insert(0, {"role": "system", "content": prompt.system})
-        try:
-            rendered = self._formatter(messages=messages)
-        except Exception as exc:
-            raise BadRequest(f"chat template rejected the messages: {exc}", field="messages") from None
-        tokens = self.vocab.tokenize(rendered.prompt.encode("utf-8"), add_bos=not rendered.added_special, special=True)
-        return tokens, tuple(s for s in rendered.stop if s)
+        """Token ids of a prompt and the stop strings its chat template adds."""
+        return gguf_prompt_tokens(prompt, self._formatter, self.vocab.tokenize)
 
     # -- the cache -------------------------------------------------------------------------------
 

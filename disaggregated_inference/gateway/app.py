@@ -23,6 +23,7 @@ from werkzeug.exceptions import HTTPException
 
 from .. import config as cluster_config
 from ..client import DisaggregatedClient
+from ..server.web import read_body
 from ..errors import BadRequest, DisaggError, ModelNotFound, NoServerAvailable, Unauthorized, UpstreamTimeout
 from .metrics import GatewayMetrics
 from .parse import GatewayRequest
@@ -175,12 +176,15 @@ def create_app(config=None, client: DisaggregatedClient | None = None) -> Flask:
     cfg = resolve_config(config)
     app = Flask("disaggregated_inference.gateway", static_folder=None)
     app.json.sort_keys = False
+    app.config["MAX_CONTENT_LENGTH"] = cfg.server["max_request_bytes"]
     token = os.environ.get("DISAGG_GATEWAY_API_TOKEN") or cfg.gateway.get("api_token")
     app.extensions["gateway"] = Gateway(cfg, client or DisaggregatedClient(cfg), GatewayMetrics(), token, time.time())
 
     @app.errorhandler(DisaggError)
     def _disagg_error(exc: DisaggError):
         status, headers = error_status(exc)
+        if exc.details.pop("close", False):  # a body half read: the connection is in an unknown state
+            headers = {**headers, "Connection": "close"}
         if status >= 500:
             log.warning("request failed: status=%s code=%s error=%s", status, exc.code, exc.message)
         message = exc.message
@@ -231,19 +235,20 @@ def create_app(config=None, client: DisaggregatedClient | None = None) -> Flask:
 
 
 def _requested_model() -> str:
-    try:
-        body = json.loads(request.get_data() or b"{}")
-        return str(body.get("model") or body.get("name") or "")
-    except (ValueError, AttributeError):
-        return ""
+    body = g.get("body")
+    return str(body.get("model") or body.get("name") or "") if isinstance(body, dict) else ""
 
 
 def json_body():
-    """The request's JSON body, or a 400 that says what is wrong with it."""
-    data = request.get_data()  # raw, whatever the Content-Type (curl -d sends a form's)
+    """The request's JSON body, or a 400/408/413 that says what is wrong with it. Any Content-Type is
+    read as JSON (``curl -d`` sends a form's); the size and the time to send it are bounded as on
+    the servers (the config's ``server.max_request_bytes`` and ``server.body_timeout``)."""
+    limits = state().config.server
+    data = read_body(limits["max_request_bytes"], limits["body_timeout"])
     if not data:
         raise BadRequest("request body is empty; send a JSON object", field="body")
     try:
-        return json.loads(data)
+        g.body = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"malformed JSON body: {exc}", field="body") from None
+    return g.body

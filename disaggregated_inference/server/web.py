@@ -178,16 +178,19 @@ def json_body() -> dict:
         raise BadRequest(f"malformed JSON body: {exc}", field="body") from None
 
 
-def read_body() -> bytes:
-    """The request body, read within ``body_timeout`` seconds in all (not per read: a client that
-    trickles a byte at a time is cut off too) and at most ``max_request_bytes`` long."""
-    settings = state().settings
-    limit = settings.max_request_bytes
+def read_body(limit: int | None = None, timeout: float | None = None) -> bytes:
+    """The request body, read within ``timeout`` seconds in all (not per read: a client that
+    trickles a byte at a time is cut off too) and at most ``limit`` bytes long; by default this
+    server's ``body_timeout`` and ``max_request_bytes`` (the gateway passes its own)."""
+    if limit is None or timeout is None:
+        settings = state().settings
+        limit = settings.max_request_bytes if limit is None else limit
+        timeout = settings.body_timeout if timeout is None else timeout
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body of {request.content_length} bytes; this server takes at most {limit}",
                               field="body", close=True)
     sock = request.environ.get("gunicorn.socket")
-    deadline = time.monotonic() + settings.body_timeout
+    deadline = time.monotonic() + timeout
     before = sock.gettimeout() if sock is not None else None
     chunks, size = [], 0
     try:
@@ -208,10 +211,10 @@ def read_body() -> bytes:
         if time.monotonic() < deadline - 0.05:
             raise BadRequest("the client closed the connection before sending the whole body", field="body",
                              close=True) from None
-        raise RequestTimeout(f"the request body did not arrive within {settings.body_timeout:g}s",
+        raise RequestTimeout(f"the request body did not arrive within {timeout:g}s",
                              field="body", close=True) from None
     except (socket.timeout, TimeoutError):
-        raise RequestTimeout(f"the request body did not arrive within {settings.body_timeout:g}s",
+        raise RequestTimeout(f"the request body did not arrive within {timeout:g}s",
                              field="body", close=True) from None
     finally:
         if sock is not None:
