@@ -40,8 +40,8 @@ from .errors import BadRequest, DisaggError, NoServerAvailable, UpstreamError, U
 log = logging.getLogger(__name__)
 
 # Decode-server answers that mean "the KV is gone, recompute": unknown/expired
-# handle, unreachable prefill server, unusable bundle.
-KV_LOST_CODES = {"not_found", "lease_expired", "upstream_error", "upstream_timeout", "bad_bundle"}
+# handle, unreachable prefill server, unusable bundle, a state that failed its canary.
+KV_LOST_CODES = {"not_found", "lease_expired", "upstream_error", "upstream_timeout", "bad_bundle", "canary_mismatch"}
 # Seed 003's "retry 1x": a decode server that could not be connected to is tried once more after
 # this pause before it is marked down (the request never reached it, so its KV lease is intact).
 DECODE_CONNECT_RETRY_DELAY = 0.5
@@ -408,6 +408,12 @@ class DisaggregatedClient:
             "prompt_tokens_recomputed": dec.get("prompt_tokens_recomputed"),
             "finish_reason": answer["decode"].get("finish_reason"),
         }
+        # the handoff's canary (kv/canary.py): what the decode side found, and what making it cost
+        for key in ("canary", "canary_top1_match", "canary_divergence", "canary_tolerance"):
+            if key in dec:
+                metrics[key] = dec[key]
+        if pre.get("canary_ms") is not None:
+            metrics["canary_ms"] = pre["canary_ms"]
         notes = notes + [f"decode server did not accept the connection, retried once: {m}"
                          for m in answer["decode_connect_retries"]]
         if notes:
