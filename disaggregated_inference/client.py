@@ -403,8 +403,10 @@ class DisaggregatedClient:
             "kv_transfer_time": dec.get("kv_transfer_time", 0.0),
             "kv_load_time": dec.get("kv_load_time"),
             "ttft": dec.get("ttft"),
-            "ttft_end_to_end": _end_to_end_ttft(started, answer["decode_sent_at"], dec.get("ttft")),
-            "decode_connect_retries": len(answer["decode_connect_retries"]),
+            # a stream's first piece arrives here: measured whole on the client's clock
+            "ttft_end_to_end": (round(answer["first_piece_at"] - started, 6) if "first_piece_at" in answer
+                                else _end_to_end_ttft(started, answer["decode_sent_at"], dec.get("ttft"))),
+            "decode_connect_retries": len(answer.get("decode_connect_retries", ())),
             "prompt_tokens_recomputed": dec.get("prompt_tokens_recomputed"),
             "finish_reason": answer["decode"].get("finish_reason"),
         }
@@ -415,7 +417,7 @@ class DisaggregatedClient:
         if pre.get("canary_ms") is not None:
             metrics["canary_ms"] = pre["canary_ms"]
         notes = notes + [f"decode server did not accept the connection, retried once: {m}"
-                         for m in answer["decode_connect_retries"]]
+                         for m in answer.get("decode_connect_retries", ())]
         if notes:
             metrics["warnings"] = list(notes)
         return metrics
@@ -462,6 +464,7 @@ class DisaggregatedClient:
             opened = {"prefill": None, "prefill_server": None, "decode_server": decode_server, "lines": lines,
                       "method": "decode_only_fallback"}
         lines = opened.pop("lines")
+        opened["first_piece_at"] = time.perf_counter()  # _open_stream returned once the first line had arrived
         decode_server = opened["decode_server"]
         with self._lock:  # busy for the whole stream, so that least-loaded routing sees it
             decode_server.outstanding += 1

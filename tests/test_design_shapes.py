@@ -250,3 +250,16 @@ def test_end_to_end_ttft_counts_the_prefill_the_server_ttft_does_not(cluster):
     # the client's clock to the /decode it sent covers the prefill's round trip; then the server's ttft
     assert m["ttft_end_to_end"] >= m["ttft"] + m["prefill_time"]
     assert m["ttft_end_to_end"] <= m["total_time"]
+
+
+@pytest.mark.slow
+def test_a_streams_end_to_end_ttft_is_its_first_piece_on_the_clients_clock(cluster):
+    with DisaggregatedClient(cluster.config, health_check=False) as client:
+        started = time.perf_counter()
+        events = client.stream(model="qwen", prompt=PROMPT, max_tokens=6)
+        first = next(events)
+        first_seen = time.perf_counter() - started
+        *rest, m = list(events)
+    assert isinstance(first, str) and all(isinstance(piece, str) for piece in rest)
+    assert m["method"] == "kv_handoff" and m["decode_connect_retries"] == 0
+    assert m["ttft"] + m["prefill_time"] <= m["ttft_end_to_end"] <= first_seen <= m["total_time"]
