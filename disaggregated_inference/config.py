@@ -19,6 +19,7 @@ from .errors import ConfigError
 from .ops.launch import MIN_NON_TEMPORAL_BYTES
 
 DEFAULT_CONFIG_FILE = "config_current.json"
+ROUTES = ("auto", "handoff", "decode_only")  # client.route (routing.MODES)
 
 # Settings a model entry (or a server entry, overriding its model) may carry.
 MODEL_KEYS = {
@@ -50,6 +51,9 @@ CLIENT_DEFAULTS = {
     "retries": 1,
     "history_size": 200,
     "api_token": None,
+    # per request, the KV handoff or the decode server alone (routing.py): "auto" decides from measured
+    # costs; "handoff" (the default: every request disaggregated, as before) or "decode_only" force a path
+    "route": "handoff",
 }
 
 # The ``gateway`` section: where ``disagg gateway`` (the OpenAI/Ollama front door) listens.
@@ -123,6 +127,9 @@ def _check_ranges(section: dict, ranges: dict, where: str, source: str) -> None:
 def check_limits(client: dict, server: dict, source: str) -> None:
     """Range checks of the client and server sections, and the timeouts that must agree with each other."""
     _check_ranges(client, CLIENT_RANGES, "client", source)
+    if client["route"] not in ROUTES:
+        raise ConfigError(f"{source}: client.route must be one of {', '.join(ROUTES)}, got {client['route']!r}",
+                          field="client.route")
     _check_ranges(server, SERVER_RANGES, "server", source)
     for entry in server["kv_sources"]:
         if not isinstance(entry, str) or not entry:
