@@ -455,7 +455,7 @@ class DisaggregatedClient:
             "finish_reason": answer["decode"].get("finish_reason"),
         }
         # the handoff's canary (kv/canary.py): what the decode side found, and what making it cost
-        for key in ("canary", "canary_top1_match", "canary_divergence", "canary_tolerance"):
+        for key in ("canary", "canary_top1_match", "canary_divergence", "canary_tolerance", "canary_check_ms"):
             if key in dec:
                 metrics[key] = dec[key]
         if pre.get("canary_ms") is not None:
