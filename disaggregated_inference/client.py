@@ -200,9 +200,10 @@ class DisaggregatedClient:
         if prefill is not None:  # requests ahead on the prefill server: its own queue, and ours beyond its slots
             queue = int((prefill.health.get("slots") or {}).get("queued") or 0)
             queue += max(0, prefill.outstanding + 1 - prefill.slots)
+        reported = tuple(s.health.get("prompt_speed") if s is not None else None for s in (prefill, decode))
         return self.costs.decide(mode, model_key, routing.prompt_chars(source),
                                  prefill.entry.name if prefill else None, decode.entry.name if decode else None,
-                                 prefill_queue=queue)
+                                 prefill_queue=queue, reported=reported)
 
     def _learn(self, model_key: str, source: dict, answer: dict, metrics: dict, clean: bool) -> None:
         """Feed what this request measured to the cost model (``clean``: no retry or fallback inflated its times)."""

@@ -4,7 +4,8 @@ the client expects to give the first token sooner.
 The client keeps a ``CostModel`` up to date from what its own requests measured:
 
 - each prefill server's prompt speed (tokens/s of ``/prefill``) and each decode server's
-  (tokens/s of a prompt it evaluated itself, ``/generate``);
+  (tokens/s of a prompt it evaluated itself, ``/generate``); until it has measured a server
+  itself, the ``prompt_speed`` that server's ``/health`` reports (its own recent requests);
 - each model's KV bytes per token and the time its export, checksum and import take per byte;
 - each (prefill, decode) pair's link throughput (bytes over ``kv_transfer_time``);
 - each path's fixed cost: what its end-to-end time to first token measured beyond those parts
@@ -141,10 +142,11 @@ class CostModel:
 
     # -- estimating ---------------------------------------------------------------------------
 
-    def speeds(self, prefill: str | None, decode: str) -> tuple[float, float, str]:
-        """(prefill speed, decode-side prompt speed, basis): measured, one side through the prior's
-        ratio, or the prior alone."""
-        p, d = self._value("prefill_speed", prefill), self._value("local_speed", decode)
+    def speeds(self, prefill: str | None, decode: str, reported: tuple = (None, None)) -> tuple[float, float, str]:
+        """(prefill speed, decode-side prompt speed, basis): measured (by this client, or as the servers'
+        ``/health`` reported them: ``reported``), one side through the prior's ratio, or the prior alone."""
+        p = self._value("prefill_speed", prefill) or reported[0]
+        d = self._value("local_speed", decode) or reported[1]
         if p and d:
             return p, d, "measured"
         if p:
@@ -154,13 +156,14 @@ class CostModel:
         return PRIOR_LOCAL_SPEED * PRIOR_PREFILL_SPEEDUP, PRIOR_LOCAL_SPEED, "prior"
 
     def estimate(self, model: str, chars: int, prefill: str | None, decode: str,
-                 prefill_queue: int = 0) -> dict:
+                 prefill_queue: int = 0, reported: tuple = (None, None)) -> dict:
         """Estimated seconds to first token of each path for a prompt of ``chars`` characters; with
-        ``prefill_queue`` requests ahead of this one on the prefill server."""
+        ``prefill_queue`` requests ahead of this one on the prefill server, and the prompt speeds the
+        two servers ``reported`` (their ``/health``) standing in for figures not measured yet."""
         with self._lock:
             per_token = self._value("chars_per_token", model) or PRIOR_CHARS_PER_TOKEN
             n = max(1, round(chars / per_token))
-            p_speed, d_speed, basis = self.speeds(prefill, decode)
+            p_speed, d_speed, basis = self.speeds(prefill, decode, reported)
             bpt = self._value("kv_bytes_per_token", model) or PRIOR_KV_BYTES_PER_TOKEN
             link = self._value("link", prefill, decode) or PRIOR_LINK_BYTES_PER_S
             copy = self._value("copy", model) or PRIOR_COPY_BYTES_PER_S
@@ -175,7 +178,7 @@ class CostModel:
                 "kv_bytes_per_token": round(bpt), "link_bytes_per_s": round(link), "prefill_wait": round(wait, 6)}
 
     def decide(self, mode: str, model: str, chars: int, prefill: str | None, decode: str | None,
-               prefill_queue: int = 0) -> Decision:
+               prefill_queue: int = 0, reported: tuple = (None, None)) -> Decision:
         """The path for one request under ``mode`` (``client.route``), with the reason."""
         if mode == HANDOFF or (mode == "auto" and decode is None):
             return Decision(HANDOFF, f"forced: client.route is {mode!r}" if mode == HANDOFF
@@ -184,7 +187,7 @@ class CostModel:
             return Decision(LOCAL, "forced: client.route is 'decode_only'", {})
         if prefill is None:
             return Decision(LOCAL, "no prefill server up", {})
-        est = self.estimate(model, chars, prefill, decode, prefill_queue)
+        est = self.estimate(model, chars, prefill, decode, prefill_queue, reported)
         path = HANDOFF if est[HANDOFF] < est[LOCAL] else LOCAL
         reason = (f"estimated TTFT for ~{est['prompt_tokens']} prompt tokens: handoff {est[HANDOFF] * 1000:.0f} ms, "
                   f"decode-only {est[LOCAL] * 1000:.0f} ms (speeds {est['prefill_speed']:.0f} vs "

@@ -84,6 +84,17 @@ def test_a_queue_on_the_prefill_server_tips_the_choice():
     assert queued.path == LOCAL and queued.estimates["prefill_wait"] == pytest.approx(6.0)
 
 
+def test_speeds_the_servers_report_stand_in_until_the_client_has_measured_its_own():
+    model = CostModel()
+    fast_prefill = model.decide("auto", "m", 4 * 2000, "p", "d", reported=(300.0, 300.0))
+    assert fast_prefill.estimates["basis"] == "measured"
+    assert fast_prefill.path == LOCAL  # equal speeds: the handoff's extra round trip does not pay
+    assert model.decide("auto", "m", 4 * 2000, "p", "d", reported=(9000.0, 300.0)).path == HANDOFF
+    for _ in range(3):
+        local(model, 2000, speed=20000)  # what the client measured itself wins over the report
+    assert model.decide("auto", "m", 4 * 2000, "p", "d", reported=(9000.0, 300.0)).path == LOCAL
+
+
 def test_characters_per_token_are_learned_per_model():
     model = CostModel()
     handoff(model, 999, prefill_speed=1000, chars=2 * 1000)  # a tokenizer that makes a token of 2 characters
@@ -128,10 +139,13 @@ LONG_PROMPT = ("The quarterly sales report lists revenue by region, product line
 
 @pytest.mark.slow
 def test_auto_keeps_a_few_tokens_local_and_hands_2k_tokens_off_saying_why(cluster):
-    """A fresh client: before it has measured both paths, the prior decides (a few tokens stay on
-    the decode server, a long prompt goes to the prefill server); each answer says why."""
+    """A cold start: before the client has measured both paths (and before the servers report any
+    speed), the prior decides: a few tokens stay on the decode server, a long prompt goes to the
+    prefill server; each answer says why."""
     with DisaggregatedClient(cluster.config, health_check=False) as client:
         client.check_health()
+        for server in client.servers.values():  # this session's servers may have served other tests
+            server.health.pop("prompt_speed", None)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # chosen paths, never the fallback
             text, few = client.generate("qwen", FEW, max_tokens=4, route="auto")
@@ -145,6 +159,9 @@ def test_auto_keeps_a_few_tokens_local_and_hands_2k_tokens_off_saying_why(cluste
             assert long["method"] == "kv_handoff" and long["route"] == HANDOFF, long
             assert long["route_estimates"][HANDOFF] < long["route_estimates"][LOCAL]
             assert long["prompt_tokens_recomputed"] == 1 and long["canary"] == "passed"
+        client.check_health()  # both servers now report the prompt speed of their recent requests
+        assert all(s["prompt_speed"] > 0 for s in (client.servers["local-prefill-qwen"].health,
+                                                   client.servers["local-decode-qwen"].health))
         figures = client.costs.snapshot()
         assert any(k.startswith("local_speed/") for k in figures) and any(k.startswith("prefill_speed/") for k in figures)
         assert client.history[-1]["route_reason"] == long["route_reason"]

@@ -63,6 +63,12 @@ class ServerMetrics:
                           ("gpu_memory_used_bytes", "GPU (or unified) memory in use")):
             self._resources[name] = Gauge(f"disagg_{name}", doc, registry=r)
         self.role = role
+        self.prompt_speed = None  # tokens/s of prompt evaluation here, moving average (for /health)
+
+    def observe_prompt_speed(self, speed) -> None:
+        """A prompt this server evaluated (a prefill, or a decode server's own ``/generate``)."""
+        if speed:
+            self.prompt_speed = speed if self.prompt_speed is None else 0.7 * self.prompt_speed + 0.3 * speed
 
     def watch_owner(self, owner) -> None:
         """Slots, queue and batch figures of the model's owner, read when scraped."""
@@ -98,6 +104,8 @@ class ServerMetrics:
             self.completion_tokens.inc(metrics["completion_tokens"])
         if metrics.get("queue_time") is not None:
             self.queue_seconds.observe(metrics["queue_time"])
+        if metrics.get("prompt_eval_speed"):
+            self.observe_prompt_speed(metrics["prompt_eval_speed"])
         if metrics.get("canary"):
             self.canary_checks.labels(result=metrics["canary"]).inc()
         if metrics.get("canary_divergence") is not None:

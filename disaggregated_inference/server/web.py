@@ -133,6 +133,9 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
             "version": __version__,
             "time": time.time(),  # disagg doctor compares clocks
             "auth_required": bool(settings.api_token),
+            # tokens/s of prompt evaluation over recent requests (moving average; null until one):
+            # the client's cost model starts from it (routing.py)
+            "prompt_speed": round(st.metrics.prompt_speed, 1) if st.metrics.prompt_speed else None,
         }
         if owner.ready:
             body["model_info"] = owner.backend.describe()
