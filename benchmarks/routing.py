@@ -11,7 +11,8 @@ on loopback), each size runs, back to back through one ``DisaggregatedClient``:
 Reported per size: each path's end-to-end TTFT (``ttft_end_to_end``: the client's clock up to
 sending the decode request, plus the decode server's time to first token), the policy's path, its
 own TTFT (``auto_ttft_s``, a run of its own, so it carries run-to-run noise) and the TTFT that
-path had in the forced run (``choice_ttft_s``); ``choice_vs_best`` and ``auto_vs_best`` divide
+path (the last decision at that size; ``auto_paths`` lists each repeat's) had in the forced
+runs (``choice_ttft_s``); ``choice_vs_best`` and ``auto_vs_best`` divide
 them by the better forced path. Target: at most 1.10 at every size. Also the canary's cost on the
 prefill side (``canary_ms``: evaluating the last prompt token after the export) and the decode
 side's check (``canary_check_ms``).
