@@ -35,13 +35,14 @@ from requests.adapters import HTTPAdapter
 from urllib3.exceptions import NewConnectionError
 
 from . import config as cluster_config
+from . import routing
 from .errors import BadRequest, DisaggError, NoServerAvailable, UpstreamError, UpstreamTimeout, from_body
 
 log = logging.getLogger(__name__)
 
 # Decode-server answers that mean "the KV is gone, recompute": unknown/expired
-# handle, unreachable prefill server, unusable bundle.
-KV_LOST_CODES = {"not_found", "lease_expired", "upstream_error", "upstream_timeout", "bad_bundle"}
+# handle, unreachable prefill server, unusable bundle, a state that failed its canary.
+KV_LOST_CODES = {"not_found", "lease_expired", "upstream_error", "upstream_timeout", "bad_bundle", "canary_mismatch"}
 # Seed 003's "retry 1x": a decode server that could not be connected to is tried once more after
 # this pause before it is marked down (the request never reached it, so its KV lease is intact).
 DECODE_CONNECT_RETRY_DELAY = 0.5
@@ -106,6 +107,8 @@ class DisaggregatedClient:
         self.health_timeout = float(opts["health_timeout"])
         self.retries = int(opts["retries"])
         self.failures_before_down = int(opts["failures_before_down"])
+        self.route = opts["route"]
+        self.costs = routing.CostModel()  # what this client has measured, for route "auto"
         self.api_token = api_token or opts.get("api_token") or self.config.server.get("api_token")
         self.history: deque = deque(maxlen=int(opts["history_size"]))
         self._lock = threading.Lock()
@@ -180,6 +183,38 @@ class DisaggregatedClient:
         # round-robin among ties
         order = sorted(range(len(healthy)), key=lambda i: (-healthy[i].free_slots, (i - rr) % max(1, len(healthy))))
         return [healthy[i] for i in order]
+
+    def _peek(self, role: str, model_key: str) -> TrackedServer | None:
+        """The server ``_candidates`` would try first (without advancing its round-robin)."""
+        with self._lock:
+            healthy = [s for s in self.servers.values() if s.entry.role == role and s.entry.model == model_key and s.up]
+        return max(healthy, key=lambda s: s.free_slots, default=None)
+
+    def _route(self, model_key: str, source: dict, route: str | None) -> routing.Decision:
+        """Handoff or decode-only for this request (``route`` overrides ``client.route``)."""
+        mode = route or self.route
+        if mode not in routing.MODES:
+            raise BadRequest(f"route must be one of {', '.join(routing.MODES)}, got {mode!r}", field="route")
+        prefill, decode = self._peek("prefill", model_key), self._peek("decode", model_key)
+        queue = 0
+        if prefill is not None:  # requests ahead on the prefill server: its own queue, and ours beyond its slots
+            queue = int((prefill.health.get("slots") or {}).get("queued") or 0)
+            queue += max(0, prefill.outstanding + 1 - prefill.slots)
+        reported = tuple(s.health.get("prompt_speed") if s is not None else None for s in (prefill, decode))
+        return self.costs.decide(mode, model_key, routing.prompt_chars(source),
+                                 prefill.entry.name if prefill else None, decode.entry.name if decode else None,
+                                 prefill_queue=queue, reported=reported)
+
+    def _learn(self, model_key: str, source: dict, answer: dict, metrics: dict, clean: bool) -> None:
+        """Feed what this request measured to the cost model (``clean``: no retry or fallback inflated its times)."""
+        method = answer["method"]
+        path = routing.HANDOFF if method == "kv_handoff" else routing.LOCAL if method.startswith("decode_only") else None
+        if path is None:
+            return
+        self.costs.observe(model_key, routing.prompt_chars(source), path,
+                           answer["prefill_server"].entry.name if answer["prefill_server"] else None,
+                           answer["decode_server"].entry.name, (answer["prefill"] or {}).get("metrics", {}),
+                           answer["decode"]["metrics"], metrics.get("ttft_end_to_end") if clean else None)
 
     def _mark_failure(self, server: TrackedServer, error: str, hard: bool = False) -> None:
         with self._lock:
@@ -294,16 +329,23 @@ class DisaggregatedClient:
     def generate(self, model: str, prompt: str | None = None, max_tokens: int = 256, temperature: float = 0.0, *,
                  messages: list | None = None, top_p: float = 1.0, seed: int | None = None, stop=None,
                  json_schema: dict | None = None, raw: bool = False, top_k: int | None = None,
-                 system: str | None = None) -> tuple[str, dict]:
+                 system: str | None = None, route: str | None = None) -> tuple[str, dict]:
+        """One request; ``route`` ("auto", "handoff", "decode_only") overrides ``client.route`` for it."""
         started = time.perf_counter()
         model_key = self.config.resolve_model(model)
         source, sampling = _request_bodies(prompt, messages, raw, system=system, max_tokens=max_tokens,
                                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                                            json_schema=json_schema)
-
+        decision = self._route(model_key, source, route)
         notes: list[str] = []
         answer = None
-        for attempt in range(1 + self.retries):
+        if decision.path == routing.LOCAL:  # chosen, not a fallback: no warning
+            sent, retries = [], []
+            decode_server, data = self._on("decode", model_key, lambda s: self._post_retrying_connect(
+                s, "/generate", {**source, **sampling}, sent, retries))
+            answer = {"prefill": None, "prefill_server": None, "decode": data, "decode_server": decode_server,
+                      "method": "decode_only", "decode_sent_at": sent[-1], "decode_connect_retries": retries}
+        for attempt in range(1 + self.retries) if answer is None else ():
             try:
                 answer = self._disaggregated(model_key, source, sampling)
                 break
@@ -324,6 +366,8 @@ class DisaggregatedClient:
             answer = {"prefill": None, "prefill_server": None, "decode": data, "decode_server": decode_server,
                       "method": "decode_only_fallback", "decode_sent_at": sent[-1], "decode_connect_retries": retries}
         metrics = self._metrics(answer, started, notes)
+        metrics.update(decision.as_metrics())
+        self._learn(model_key, source, answer, metrics, clean=not notes and not answer["decode_connect_retries"])
         self._remember(model_key, metrics)
         return answer["decode"]["generated_text"], metrics
 
@@ -331,7 +375,8 @@ class DisaggregatedClient:
         with self._lock:
             self.history.append({"time": time.time(), "model": model_key, **{k: metrics.get(k) for k in (
                 "method", "prefill_time", "decode_time", "total_time", "prompt_tokens", "completion_tokens",
-                "prefill_speed", "decode_speed", "prefill_server", "decode_server", "kv_bytes")}})
+                "prefill_speed", "decode_speed", "prefill_server", "decode_server", "kv_bytes", "ttft_end_to_end",
+                "route_reason")}})
 
     def _disaggregated(self, model_key: str, source: dict, sampling: dict) -> dict:
         if not self._candidates("decode", model_key):
@@ -410,6 +455,12 @@ class DisaggregatedClient:
             "prompt_tokens_recomputed": dec.get("prompt_tokens_recomputed"),
             "finish_reason": answer["decode"].get("finish_reason"),
         }
+        # the handoff's canary (kv/canary.py): what the decode side found, and what making it cost
+        for key in ("canary", "canary_top1_match", "canary_divergence", "canary_tolerance", "canary_check_ms"):
+            if key in dec:
+                metrics[key] = dec[key]
+        if pre.get("canary_ms") is not None:
+            metrics["canary_ms"] = pre["canary_ms"]
         notes = notes + [f"decode server did not accept the connection, retried once: {m}"
                          for m in answer.get("decode_connect_retries", ())]
         if notes:
@@ -419,7 +470,7 @@ class DisaggregatedClient:
     def stream(self, model: str, prompt: str | None = None, max_tokens: int = 256, temperature: float = 0.0, *,
                messages: list | None = None, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
                stop=None, json_schema: dict | None = None, raw: bool = False, system: str | None = None,
-               on_route=None):
+               on_route=None, route: str | None = None):
         """Like ``generate``, but yield the text pieces as the decode server sends them, then the metrics dict.
 
         Routing, failover, the recompute of a lost KV and the decode-only fallback happen as in
@@ -436,9 +487,15 @@ class DisaggregatedClient:
                                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                                            json_schema=json_schema)
         sampling["stream"] = True
+        decision = self._route(model_key, source, route)
         notes: list[str] = []
         opened = None
-        for attempt in range(1 + self.retries):
+        if decision.path == routing.LOCAL:  # chosen, not a fallback: no warning
+            decode_server, lines = self._on("decode", model_key, lambda s: self._open_stream(
+                s, "/generate", {**source, **sampling}, self.decode_timeout))
+            opened = {"prefill": None, "prefill_server": None, "decode_server": decode_server, "lines": lines,
+                      "method": "decode_only"}
+        for attempt in range(1 + self.retries) if opened is None else ():
             try:
                 opened = self._open_disaggregated(model_key, source, sampling)
                 break
@@ -486,11 +543,13 @@ class DisaggregatedClient:
                 decode_server.outstanding -= 1
         if final is None:
             raise UpstreamError(f"{opened['decode_server'].entry.name} ended its stream without a final line")
-        if opened["method"] != "decode_only_fallback":
+        if not opened["method"].startswith("decode_only"):
             opened["method"] = final["metrics"].get("method", "disaggregated")
         answer = {**opened, "decode": {"generated_text": "".join(pieces), "finish_reason": final.get("finish_reason"),
                                        "metrics": final.get("metrics") or {}}}
         metrics = self._metrics(answer, started, notes)
+        metrics.update(decision.as_metrics())
+        self._learn(model_key, source, answer, metrics, clean=not notes)
         self._remember(model_key, metrics)
         yield metrics
 

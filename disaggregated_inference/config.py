@@ -19,6 +19,7 @@ from .errors import ConfigError
 from .ops.launch import MIN_NON_TEMPORAL_BYTES
 
 DEFAULT_CONFIG_FILE = "config_current.json"
+ROUTES = ("auto", "handoff", "decode_only")  # client.route (routing.MODES)
 
 # Settings a model entry (or a server entry, overriding its model) may carry.
 MODEL_KEYS = {
@@ -50,6 +51,9 @@ CLIENT_DEFAULTS = {
     "retries": 1,
     "history_size": 200,
     "api_token": None,
+    # per request, the KV handoff or the decode server alone (routing.py): "auto" decides from measured
+    # costs; "handoff" (the default: every request disaggregated, as before) or "decode_only" force a path
+    "route": "handoff",
 }
 
 # The ``gateway`` section: where ``disagg gateway`` (the OpenAI/Ollama front door) listens.
@@ -89,6 +93,12 @@ class ServerOptions:
     max_lease_bytes: int = 32 << 30  # prefill: bytes of KV held under leases at once; beyond, 503
     max_lease_seconds: float = 600.0  # prefill: the longest lease_seconds a request may ask for
     body_timeout: float = 10.0  # seconds a client has to send its request body (408 after)
+    # The handoff canary (kv/canary.py; docs/ARCHITECTURE.md, "The canary")
+    canary_top_k: int = 8  # prefill: top-k log-probs of the next-token distribution in each bundle; 0 = off
+    canary_tolerance: float = 0.5  # decode: max abs log-prob difference allowed, same engine on both sides
+    canary_cross_tolerance: float = 1.0  # decode: the same for any other pair of engines
+    canary_exact_tolerance: float = 1e-4  # decode: same engine, both evaluated alone, bit-exact restore
+    canary_pairs: tuple = ()  # decode: {"prefill": "llama_cpp/cuda", "decode": "llama_cpp/cpu", "tolerance": 2.0}
 
 
 SERVER_DEFAULTS = {f.name: f.default for f in fields(ServerOptions)}
@@ -102,7 +112,8 @@ SERVER_RANGES = {"lease_seconds": (0, False), "queue_timeout": (0, False), "kv_f
                  "kv_socket_buffer_bytes": (0, True), "max_kv_bytes": (1, True), "threads": (2, True),
                  "kv_progress_timeout": (0, False), "max_request_bytes": (1024, True), "max_prompt_chars": (1, True),
                  "max_schema_bytes": (2, True), "max_lease_bytes": (1, True), "max_lease_seconds": (0, False),
-                 "body_timeout": (0, False)}
+                 "body_timeout": (0, False), "canary_top_k": (0, True), "canary_tolerance": (0, True),
+                 "canary_cross_tolerance": (0, True), "canary_exact_tolerance": (0, True)}
 
 
 def _check_ranges(section: dict, ranges: dict, where: str, source: str) -> None:
@@ -116,11 +127,22 @@ def _check_ranges(section: dict, ranges: dict, where: str, source: str) -> None:
 def check_limits(client: dict, server: dict, source: str) -> None:
     """Range checks of the client and server sections, and the timeouts that must agree with each other."""
     _check_ranges(client, CLIENT_RANGES, "client", source)
+    if client["route"] not in ROUTES:
+        raise ConfigError(f"{source}: client.route must be one of {', '.join(ROUTES)}, got {client['route']!r}",
+                          field="client.route")
     _check_ranges(server, SERVER_RANGES, "server", source)
     for entry in server["kv_sources"]:
         if not isinstance(entry, str) or not entry:
             raise ConfigError(f"{source}: server.kv_sources must be a list of host, host:port or URL strings",
                               field="server.kv_sources")
+    for entry in server["canary_pairs"]:
+        tolerance = entry.get("tolerance") if isinstance(entry, dict) else None
+        if (not isinstance(entry, dict) or set(entry) != {"prefill", "decode", "tolerance"}
+                or not all(isinstance(entry[k], str) for k in ("prefill", "decode"))
+                or isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or tolerance < 0):
+            raise ConfigError(f"{source}: server.canary_pairs must be a list of {{\"prefill\": ENGINE, \"decode\": "
+                              f"ENGINE, \"tolerance\": NUMBER >= 0}} objects, got {json.dumps(entry)}",
+                              field="server.canary_pairs")
     if server["kv_progress_timeout"] > server["kv_fetch_timeout"]:
         raise ConfigError(f"{source}: server.kv_progress_timeout ({server['kv_progress_timeout']}) must not exceed "
                           f"server.kv_fetch_timeout ({server['kv_fetch_timeout']})", field="server.kv_progress_timeout")

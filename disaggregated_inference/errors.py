@@ -81,6 +81,13 @@ class BundleError(DisaggError):
     status, code = 422, "bad_bundle"
 
 
+class CanaryMismatch(BundleError):
+    """The imported KV does not reproduce the prefill side's next-token distribution (kv/canary.py):
+    intact bytes, wrong state. Nothing is generated from it; the client recomputes."""
+
+    code = "canary_mismatch"
+
+
 class ContextOverflow(BadRequest):
     code = "context_overflow"
 

@@ -52,7 +52,9 @@ def run_model(client, cfg, model_key: str, prompt: str, max_tokens: int) -> dict
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            text, metrics = client.generate(model=model_key, prompt=prompt, max_tokens=max_tokens, seed=0)
+            # the handoff itself is under test: never let client.route "auto" keep a short prompt local
+            text, metrics = client.generate(model=model_key, prompt=prompt, max_tokens=max_tokens, seed=0,
+                                            route="handoff")
         except Exception as exc:  # reported, not raised: the summary names it
             result["problem"] = f"generate failed: {getattr(exc, 'message', None) or exc}"
             result["total_time"] = round(time.perf_counter() - started, 3)

@@ -421,6 +421,7 @@ def test_decode_from_the_context_gives_the_text_of_one_generate(stub, backend):
     assert m["prompt_eval_time"] == pytest.approx(n_prompt * 1e-3)
     assert m["kv_load_time"] == 0.0 and m["finish_reason"] == "stop"
     assert m["first_token_matches_prefill"] is True
+    assert m["canary"] == "unavailable" and "canary" not in gm  # no logits through Ollama: said, not faked
     assert {b["options"]["num_ctx"] for b in stub.generate_bodies()} == {4096} and stub.reloads == 0
 
 
@@ -685,6 +686,7 @@ def test_prefill_then_decode_through_the_servers(stub, prefill_url, decode_clien
     assert out["generated_text"] == answer and out["finish_reason"] == "stop"
     m = out["metrics"]
     assert m["handoff"] == KIND_TOKEN_IDS and m["method"] == "ollama_context" and m["kv_bytes"] == 0
+    assert m["canary"] == "unavailable"
     assert m["prompt_tokens_recomputed"] == len(rendered_question()) + 1
     assert m["first_token_matches_prefill"] is True
     assert stub.generate_bodies()[-1]["context"] == tok(rendered_question())

@@ -21,6 +21,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Iterator
 
+from ..kv.canary import CanaryPolicy
 from ..kv.receive import Received  # noqa: F401  (part of the interface: what decode() gets)
 
 
@@ -112,6 +113,7 @@ class Eval:
     logits: bool = True
     done: int = 0
     row: int = -1
+    alone: bool = False  # its last step evaluated no other sequence (batching moves logits)
 
     @property
     def complete(self) -> bool:
@@ -163,6 +165,15 @@ class Backend(abc.ABC):
     # batched backends' prefill/decode/generate are generators that yield Eval requests, and
     # evaluate() runs one step of them; the others run each request to its end on a thread
     batched: ClassVar[bool] = False
+    # backends that see next-token logits make a canary on prefill and check it on decode
+    # (kv/canary.py); the server sets its policy from its settings. The others report
+    # ``canary: "unavailable"`` in their decode metrics.
+    canary: CanaryPolicy = CanaryPolicy()
+
+    @property
+    def engine(self) -> str:
+        """This backend on this kind of device, as canary tolerances name it (``llama_cpp/cpu``)."""
+        return f"{self.name}/cpu"
 
     @property
     def slots(self) -> int:

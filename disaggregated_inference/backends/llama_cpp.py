@@ -147,6 +147,17 @@ class LlamaCppBackend(Backend):
     def fingerprint(self) -> dict:
         return dict(self._fingerprint)
 
+    @property
+    def engine(self) -> str:
+        """``llama_cpp/cpu``, or ``llama_cpp/metal`` / ``llama_cpp/gpu`` when layers are offloaded."""
+        import sys
+
+        import llama_cpp
+
+        if self.settings.n_gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload():
+            return f"{self.name}/{'metal' if sys.platform == 'darwin' else 'gpu'}"
+        return f"{self.name}/cpu"
+
     def metadata(self) -> dict:
         """The GGUF's metadata (architecture, head counts, RoPE...), as llama.cpp read it."""
         return self.model.metadata()
@@ -225,6 +236,7 @@ class LlamaCppBackend(Backend):
             raise RuntimeError(f"llama_decode failed ({rc}) for a batch of {n} tokens")
         for ev, take, last in placed:
             ev.done += take
+            ev.alone = len(placed) == 1
             if ev.complete:
                 ev.row = last
         return n
@@ -257,14 +269,24 @@ class LlamaCppBackend(Backend):
 
     def logits(self, seq: int, tokens: list[int], pos: int = 0):
         """Evaluate ``tokens`` into ``seq`` from ``pos``; the last one's next-token logits (a numpy copy)."""
-        import llama_cpp
-        import numpy as np
-
         ev = Eval(seq, list(tokens), pos)
         while not ev.complete:
             self.evaluate([ev])
-        ptr = llama_cpp.llama_get_logits_ith(self.ctx.ctx, ev.row)
-        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab(),)).copy()
+        return self._row_logits(ev.row).copy()
+
+    def _restores_exactly(self, n_tokens: int) -> bool:
+        """Whether an imported state of ``n_tokens - 1`` cells gives this context's own numerics bit for bit:
+        not for a sliding-window model with flash attention past its window (docs/sliding-window.md)."""
+        n_swa = self._fingerprint.get("n_swa") or 0
+        return not (n_swa > 0 and self.settings.flash_attn and n_tokens - 1 > n_swa)
+
+    def _row_logits(self, row: int):
+        """The next-token logits of batch row ``row`` of the last step (a view, valid until the next step)."""
+        import llama_cpp
+        import numpy as np
+
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx.ctx, row)
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab(),))
 
     def _evaluate_all_but_last(self, seq: int, tokens: list[int]):
         """Generator: evaluate ``tokens[:-1]`` into ``seq``; returns its own time (queue time excluded)."""
@@ -374,17 +396,28 @@ class LlamaCppBackend(Backend):
             payload = self.export_state(seq, buffer)
             export_time = time.perf_counter() - t2
             del buffer
+            # the canary: the last prompt token, evaluated after the export (which therefore still ends one
+            # token early, as the decode side expects), gives the next-token distribution to check against
+            t3 = time.perf_counter()
+            canary = None
+            if self.canary.top_k > 0:
+                ev = Eval(seq, [tokens[-1]], len(tokens) - 1)
+                yield ev
+                canary = self.canary.make(self._row_logits(ev.row), self.engine, alone=ev.alone)
+            canary_time = time.perf_counter() - t3
         finally:
             self._release(seq)
         self._state_bytes_per_token = len(payload) / max(1, len(tokens) - 1)
         evaluated = len(tokens) - 1
+        meta = {"stop": list(stops)}
+        if canary is not None:
+            meta["canary"] = canary
         return Prefilled(
-            kind=KIND_LLAMA_SEQ_STATE, tokens=tokens, payload=payload, fingerprint=self.fingerprint(),
-            meta={"stop": list(stops)},
+            kind=KIND_LLAMA_SEQ_STATE, tokens=tokens, payload=payload, fingerprint=self.fingerprint(), meta=meta,
             metrics={"prompt_tokens": len(tokens), "prompt_tokens_evaluated": evaluated,
                      "tokenize_time": round(tokenize_time, 6), "prefill_time": round(prefill_time, 6),
                      "prefill_speed": rate(evaluated, prefill_time), "kv_export_time": round(export_time, 6),
-                     "kv_bytes": len(payload)},
+                     "kv_bytes": len(payload), "canary_ms": round(canary_time * 1000, 3) if canary else None},
         )
 
     def decode(self, received: Received, sampling: Sampling, cancelled) -> Iterator:
@@ -394,9 +427,11 @@ class LlamaCppBackend(Backend):
         sampler = self._sampler(sampling)
         seq = self._acquire()
         try:
+            canary = None
             if received.kind == KIND_LLAMA_SEQ_STATE:
                 load_time = self.import_state(seq, received)
                 method, recomputed = "kv_handoff", 0
+                canary = received.meta.get("canary") or {}  # {}: the bundle has none (reported as absent)
             elif received.kind == KIND_TOKEN_IDS:  # only ids arrived: recompute the prompt here
                 load_time, method, recomputed = 0.0, "token_ids_recompute", len(received.tokens) - 1
                 yield from self._evaluate_all_but_last(seq, received.tokens)
@@ -404,7 +439,7 @@ class LlamaCppBackend(Backend):
                 raise FingerprintMismatch(f"this llama.cpp server cannot continue a {received.kind!r} bundle",
                                           field="kv")
             yield from self._continue(seq, received.tokens, sampler, sampling, stops, cancelled=cancelled,
-                                      started=started, recomputed=recomputed,
+                                      started=started, recomputed=recomputed, canary=canary,
                                       extra={"kv_load_time": round(load_time, 6), "method": method})
         finally:
             self._release(seq)
@@ -449,8 +484,13 @@ class LlamaCppBackend(Backend):
             sampler.add_dist(seed & 0xFFFFFFFF)
         return sampler
 
-    def _continue(self, seq, tokens, sampler, sampling: Sampling, stops, *, cancelled, started, recomputed, extra):
-        """Evaluate the prompt's last token in ``seq`` (which holds the rest), then sample the answer."""
+    def _continue(self, seq, tokens, sampler, sampling: Sampling, stops, *, cancelled, started, recomputed, extra,
+                  canary: dict | None = None):
+        """Evaluate the prompt's last token in ``seq`` (which holds the rest), then sample the answer.
+
+        With ``canary`` (a handed-over state; ``{}`` when its bundle carried none), the next-token
+        distribution is checked against the prefill side's first: ``CanaryMismatch`` before anything
+        is sampled when it is beyond tolerance."""
         import llama_cpp
 
         stop = tuple(sampling.stop) + tuple(s for s in stops if s not in sampling.stop)
@@ -463,6 +503,13 @@ class LlamaCppBackend(Backend):
         ev = Eval(seq, [tokens[-1]], len(tokens) - 1)
         yield ev
         recomputed += 1
+        if canary is not None:
+            try:
+                extra = {**extra, **self.canary.check(canary, self._row_logits(ev.row), self.engine,
+                                                      exact=ev.alone and self._restores_exactly(len(tokens)))}
+            except BaseException:
+                sampler.close()
+                raise
         first_at = time.perf_counter()
         pos = len(tokens)
         while True:

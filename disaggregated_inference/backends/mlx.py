@@ -36,6 +36,10 @@ class MlxBackend(Backend):
     handoff_kind = KIND_NEUTRAL_KV
     accepts = (KIND_NEUTRAL_KV, KIND_TOKEN_IDS)
 
+    @property
+    def engine(self) -> str:
+        return "mlx/metal"
+
     def __init__(self, settings):
         super().__init__(settings)
         self.model = None
@@ -182,13 +186,18 @@ class MlxBackend(Backend):
         meta, payload = neutral.encode(self.export_neutral(cache) if len(tokens) > 1 else self._empty())
         export_time = time.perf_counter() - t2
         evaluated = len(tokens) - 1
+        extra = {"stop": list(stops), "neutral": meta}
+        t3 = time.perf_counter()
+        if self.canary.top_k > 0:  # after the export: the bundle still ends one token early (kv/canary.py)
+            extra["canary"] = self.canary.make(_as_numpy(self.evaluate(tokens[-1:], cache)), self.engine)
+        canary_time = time.perf_counter() - t3
         return Prefilled(
-            kind=KIND_NEUTRAL_KV, tokens=tokens, payload=payload, fingerprint=self.fingerprint(),
-            meta={"stop": list(stops), "neutral": meta},
+            kind=KIND_NEUTRAL_KV, tokens=tokens, payload=payload, fingerprint=self.fingerprint(), meta=extra,
             metrics={"prompt_tokens": len(tokens), "prompt_tokens_evaluated": evaluated,
                      "tokenize_time": round(tokenize_time, 6), "prefill_time": round(prefill_time, 6),
                      "prefill_speed": rate(evaluated, prefill_time), "kv_export_time": round(export_time, 6),
-                     "kv_bytes": len(payload)},
+                     "kv_bytes": len(payload),
+                     "canary_ms": round(canary_time * 1000, 3) if "canary" in extra else None},
         )
 
     def _empty(self) -> neutral.NeutralKV:
@@ -205,6 +214,7 @@ class MlxBackend(Backend):
         started = time.perf_counter()
         check_fits(len(received.tokens), self.settings.n_ctx)
         stops = tuple(received.meta.get("stop", ()))
+        canary = None
         self._evaluated = 0
         if received.kind == KIND_NEUTRAL_KV:
             t = time.perf_counter()
@@ -212,6 +222,7 @@ class MlxBackend(Backend):
             received.payload = None
             received.verify()
             load_time, method = time.perf_counter() - t, "kv_handoff"
+            canary = received.meta.get("canary") or {}
         elif received.kind == KIND_TOKEN_IDS:
             cache, load_time, method = self.new_cache(), 0.0, "token_ids_recompute"
             if len(received.tokens) > 1:
@@ -220,7 +231,7 @@ class MlxBackend(Backend):
             raise FingerprintMismatch(f"this MLX server cannot continue a {received.kind!r} bundle "
                                       f"(it accepts {', '.join(self.accepts)})", field="kv")
         yield from self._continue(received.tokens, cache, sampling, stops, cancelled=cancelled, started=started,
-                                  extra={"kv_load_time": round(load_time, 6), "method": method})
+                                  extra={"kv_load_time": round(load_time, 6), "method": method}, canary=canary)
 
     def generate(self, prompt: Prompt, sampling: Sampling, cancelled) -> Iterator[Event]:
         _refuse_schema(sampling)
@@ -236,8 +247,9 @@ class MlxBackend(Backend):
 
     # -- the token loop --------------------------------------------------------------------------
 
-    def _continue(self, tokens, cache, sampling: Sampling, stops, *, cancelled, started, extra):
-        """Evaluate the last prompt token on ``cache`` (which holds the rest), then sample."""
+    def _continue(self, tokens, cache, sampling: Sampling, stops, *, cancelled, started, extra, canary=None):
+        """Evaluate the last prompt token on ``cache`` (which holds the rest), then sample; a handed-over
+        state's ``canary`` is checked first (kv/canary.py)."""
         import llama_cpp
         import mlx.core as mx
         from mlx_lm.sample_utils import make_sampler
@@ -255,6 +267,8 @@ class MlxBackend(Backend):
         t_gen = time.perf_counter()
         logits = self.evaluate(tokens[-1:], cache)
         prompt_evaluated = self._evaluated
+        if canary is not None:
+            extra = {**extra, **self.canary.check(canary, _as_numpy(logits), self.engine)}
         first_at = None
         while generated < budget:
             token = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).item()
@@ -301,3 +315,11 @@ def _refuse_schema(sampling: Sampling) -> None:
         raise BadRequest("the mlx backend cannot constrain its output to a JSON schema (mlx-lm has no grammar "
                          "sampling); send the request to a llama_cpp server or leave json_schema out",
                          field="json_schema")
+
+
+def _as_numpy(logits):
+    """One position's logits (an mx array of shape (1, vocab)) as a float32 numpy vector."""
+    import mlx.core as mx
+    import numpy as np
+
+    return np.array(logits[0].astype(mx.float32))

@@ -362,6 +362,8 @@ class OllamaBackend(Backend):
         metrics = self._metrics(final, lines, method)
         metrics["first_token_time"] = round((first_at or ended) - started, 6)
         metrics["backend_time"] = round(ended - started, 6)
+        if method != "decode_only":  # Ollama shows no logits: a handoff through it cannot be checked
+            metrics["canary"] = "unavailable"
         if expect is not None:
             metrics["first_token_matches_prefill"] = head.startswith(expect) if len(head) >= len(expect) else None
             if metrics["first_token_matches_prefill"] is False:

@@ -21,22 +21,27 @@ from .parse import parse_decode, parse_generate
 from ..backends.base import Received
 from ..kv.buffers import BufferPool
 from ..kv.bundle import KIND_NEUTRAL_KV, KIND_TOKEN_IDS
-from ..errors import BadRequest, DisaggError
+from ..errors import BadRequest, CanaryMismatch, DisaggError
 from ..kv.receive import fetch
 from .settings import resolve
 
 log = logging.getLogger(__name__)
 
 
-def _decode_job(received, sampling, pool, backend, cancelled):
+def _decode_job(received, sampling, pool, metrics, backend, cancelled):
     """Runs on the model thread. Nothing it yields leaves before the payload has passed its
     checksum (backends check right after importing; this holds for every backend), and the
-    receive buffer goes back to the pool once neither the backend nor the checksum reads it."""
+    receive buffer goes back to the pool once neither the backend nor the checksum reads it.
+    A canary that fails (the backend raises before its first event) is counted here."""
     buffer, verify = received.payload, received.verify
     try:
         for event in backend.decode(received, sampling, cancelled):
             verify()  # returns at once after the first time
             yield event
+    except CanaryMismatch as exc:
+        metrics.observe_canary_failure(exc.details.get("canary_divergence"))
+        log.warning("canary failed, nothing generated: %s", exc.message)
+        raise
     finally:
         with contextlib.suppress(DisaggError):  # an error already on its way wins
             verify()
@@ -138,7 +143,7 @@ def create_app(config=None, backend=None) -> Flask:
         extra["handoff"] = received.kind
         extra["kv_fetch_to_queue_time"] = round(time.perf_counter() - received_at, 6)
         # the job holds the only reference to the bundle; the backend drops its payload once imported
-        events = st.owner.stream(partial(_decode_job, received, req.sampling, pool), reservation)
+        events = st.owner.stream(partial(_decode_job, received, req.sampling, pool, st.metrics), reservation)
         del received
         return run_events(events, received_at, extra, req.stream, st.metrics.observe_decode)
 

@@ -40,6 +40,17 @@ class ServerMetrics:
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.slow_transfers = Counter("disagg_slow_kv_transfers", "KV transfers slower than the warning threshold",
                                       registry=r)
+        # the handoff canary (kv/canary.py): on a decode server, checks by result (passed, failed, absent,
+        # unavailable) and failures on their own; on a prefill server, what making a canary costs
+        self.canary_checks = Counter("disagg_canary_checks", "Handoff canaries checked, by result", ["result"],
+                                     registry=r)
+        self.canary_failures = Counter("disagg_canary_failures", "Handoffs refused because the imported KV did not "
+                                       "reproduce the prefill's next-token distribution", registry=r)
+        self.canary_divergence = Histogram("disagg_canary_divergence", "Max abs log-prob difference of a handoff's "
+                                           "canary", buckets=(0, 1e-6, 1e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5),
+                                           registry=r)
+        self.canary_seconds = Histogram("disagg_canary_seconds", "Prefill side: evaluating the last prompt token "
+                                        "for the canary", buckets=LATENCY_BUCKETS, registry=r)
         if leases is not None:
             Gauge("disagg_leases_held", "KV bundles held under a lease", registry=r).set_function(
                 lambda: leases.stats()["held"])
@@ -52,6 +63,12 @@ class ServerMetrics:
                           ("gpu_memory_used_bytes", "GPU (or unified) memory in use")):
             self._resources[name] = Gauge(f"disagg_{name}", doc, registry=r)
         self.role = role
+        self.prompt_speed = None  # tokens/s of prompt evaluation here, moving average (for /health)
+
+    def observe_prompt_speed(self, speed) -> None:
+        """A prompt this server evaluated (a prefill, or a decode server's own ``/generate``)."""
+        if speed:
+            self.prompt_speed = speed if self.prompt_speed is None else 0.7 * self.prompt_speed + 0.3 * speed
 
     def watch_owner(self, owner) -> None:
         """Slots, queue and batch figures of the model's owner, read when scraped."""
@@ -87,6 +104,18 @@ class ServerMetrics:
             self.completion_tokens.inc(metrics["completion_tokens"])
         if metrics.get("queue_time") is not None:
             self.queue_seconds.observe(metrics["queue_time"])
+        if metrics.get("prompt_eval_speed"):
+            self.observe_prompt_speed(metrics["prompt_eval_speed"])
+        if metrics.get("canary"):
+            self.canary_checks.labels(result=metrics["canary"]).inc()
+        if metrics.get("canary_divergence") is not None:
+            self.canary_divergence.observe(metrics["canary_divergence"])
+
+    def observe_canary_failure(self, divergence) -> None:
+        self.canary_failures.inc()
+        self.canary_checks.labels(result="failed").inc()
+        if divergence is not None:
+            self.canary_divergence.observe(divergence)
 
     def render(self) -> bytes:
         snap = resources.snapshot()

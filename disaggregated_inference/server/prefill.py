@@ -75,6 +75,9 @@ def create_app(config=None, backend=None) -> Flask:
         st.metrics.prefill_seconds.observe(metrics.get("prefill_time", 0.0))
         if metrics.get("prefill_speed"):
             st.metrics.prefill_speed.observe(metrics["prefill_speed"])
+            st.metrics.observe_prompt_speed(metrics["prefill_speed"])
+        if metrics.get("canary_ms") is not None:
+            st.metrics.canary_seconds.observe(metrics["canary_ms"] / 1000)
         st.metrics.kv_bytes.inc(header.payload_bytes)
         log.info("prefill tokens=%d kv_bytes=%d time=%.3fs", len(result.tokens), header.payload_bytes,
                  metrics.get("prefill_time", 0.0))

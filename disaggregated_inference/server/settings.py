@@ -53,7 +53,7 @@ class ServerSettings(cluster_config.ServerOptions):
             model = ModelSettings(**model)
         if data.get("role", "prefill") not in ROLES:
             raise ConfigError(f"{where}: role must be one of {ROLES}, got {data.get('role')!r}", field="role")
-        for key in ("aliases", "kv_peers", "kv_sources"):
+        for key in ("aliases", "kv_peers", "kv_sources", "canary_pairs"):
             data[key] = tuple(data.get(key, ()))
         return cls(model=model, **data)
 

@@ -17,6 +17,7 @@ from flask import Flask, Response, current_app, request
 from werkzeug.exceptions import ClientDisconnected, HTTPException
 
 from .. import __version__, backends
+from ..kv.canary import CanaryPolicy
 from ..errors import (BadRequest, DisaggError, ModelNotFound, PayloadTooLarge, RequestTimeout, Unauthorized,
                       UnsupportedMediaType)
 from ..kv.receive import socket_buffer_in_effect
@@ -67,6 +68,7 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
     app = Flask(f"disaggregated_inference.{settings.role}")
     app.json.sort_keys = False
     backend = backend or backends.create(settings.model)
+    backend.canary = CanaryPolicy.from_settings(settings)
     st = ServerContext(settings, ModelOwner(backend, settings.queue_timeout, settings.max_queue), leases=leases,
                      metrics=ServerMetrics(settings.role, leases))
     st.metrics.watch_owner(st.owner)
@@ -131,6 +133,9 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
             "version": __version__,
             "time": time.time(),  # disagg doctor compares clocks
             "auth_required": bool(settings.api_token),
+            # tokens/s of prompt evaluation over recent requests (moving average; null until one):
+            # the client's cost model starts from it (routing.py)
+            "prompt_speed": round(st.metrics.prompt_speed, 1) if st.metrics.prompt_speed else None,
         }
         if owner.ready:
             body["model_info"] = owner.backend.describe()

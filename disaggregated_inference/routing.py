@@ -1,0 +1,200 @@
+"""Conditional disaggregation: per request, the KV handoff or the decode server alone, whichever
+the client expects to give the first token sooner.
+
+The client keeps a ``CostModel`` up to date from what its own requests measured:
+
+- each prefill server's prompt speed (tokens/s of ``/prefill``) and each decode server's
+  (tokens/s of a prompt it evaluated itself, ``/generate``); until it has measured a server
+  itself, the ``prompt_speed`` that server's ``/health`` reports (its own recent requests);
+- each model's KV bytes per token and the time its export, checksum and import take per byte;
+- each (prefill, decode) pair's link throughput (bytes over ``kv_transfer_time``);
+- each path's fixed cost: what its end-to-end time to first token measured beyond those parts
+  (HTTP round trips, JSON, queueing, the canary's token), per path;
+- characters per token of each model, since the client has no tokenizer;
+- queue depth: a prefill server with no free slot costs a wait of one of its recent prefills
+  per request ahead.
+
+Estimated time to first token of a prompt of ``n`` tokens (the last prompt token and the first
+sampled one cost the same on both paths and are left out of both):
+
+    handoff     = fixed(handoff) + wait(prefill) + n / prefill_speed + n * kv_bytes_per_token * (1/link + 1/copy)
+    decode_only = fixed(decode_only) + n / decode_side_speed
+
+Moving averages (``ALPHA``) follow a server that changes. Before anything is measured the
+**prior** speaks: the prefill server is the fast machine by design (``PRIOR_PREFILL_SPEEDUP``
+times the decode server's prompt speed) and the handoff costs one more round trip and a
+transfer, so a prompt of a few tokens stays on the decode server and a long one is handed off.
+A figure measured on one side stands in, through the same ratio, for the other side until that
+is measured too.
+
+This module knows nothing of HTTP or of the client: it takes figures and gives decisions.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+MODES = ("auto", "handoff", "decode_only")
+HANDOFF, LOCAL = "handoff", "decode_only"
+ALPHA = 0.3  # weight of the newest observation in the moving averages
+
+# The cold-start prior (replaced by measurements as they come)
+PRIOR_LOCAL_SPEED = 400.0  # tokens/s of prompt evaluation on a decode server
+PRIOR_PREFILL_SPEEDUP = 4.0  # a prefill server evaluates prompts this many times faster
+PRIOR_KV_BYTES_PER_TOKEN = 64 << 10
+PRIOR_LINK_BYTES_PER_S = 1e9
+PRIOR_COPY_BYTES_PER_S = 4e9  # export + checksum + import
+PRIOR_FIXED = {HANDOFF: 0.05, LOCAL: 0.01}  # seconds: two requests and a transfer, against one request
+PRIOR_CHARS_PER_TOKEN = 4.0
+MIN_TOKENS_FOR_SPEED = 8  # shorter prompts say more about overheads than about speed
+
+
+class Average:
+    """An exponentially weighted moving average; ``None`` until the first value."""
+
+    __slots__ = ("value", "count")
+
+    def __init__(self):
+        self.value, self.count = None, 0
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - ALPHA) * self.value + ALPHA * x
+        self.count += 1
+
+
+@dataclass(frozen=True)
+class Decision:
+    path: str  # "handoff" or "decode_only"
+    reason: str
+    estimates: dict  # {"handoff": s, "decode_only": s, "prompt_tokens": n, "basis": "measured" | "prior" | ...}
+
+    def as_metrics(self) -> dict:
+        return {"route": self.path, "route_reason": self.reason, "route_estimates": self.estimates}
+
+
+def prompt_chars(source: dict) -> int:
+    """Characters of a request's prompt part (prompt or messages, and system)."""
+    n = len(source.get("prompt") or "") + len(source.get("system") or "")
+    for message in source.get("messages") or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        n += len(content) if isinstance(content, str) else 0
+    return n
+
+
+class CostModel:
+    """What the client has measured, and the estimates it makes from them. Thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._figures: dict = {}
+
+    def _avg(self, *key) -> Average:
+        return self._figures.setdefault(key, Average())
+
+    def _value(self, *key):
+        avg = self._figures.get(key)
+        return avg.value if avg is not None else None
+
+    # -- learning -----------------------------------------------------------------------------
+
+    def observe(self, model: str, chars: int, path: str, prefill: str | None, decode: str,
+                pre: dict, dec: dict, ttft: float | None) -> None:
+        """One answered request: ``pre``/``dec`` are the prefill and decode servers' metrics, ``ttft``
+        the client's end-to-end time to first token."""
+        with self._lock:
+            tokens = dec.get("prompt_tokens") or pre.get("prompt_tokens")
+            if tokens and chars:
+                self._avg("chars_per_token", model).add(chars / tokens)
+            if path == HANDOFF:
+                self._observe_handoff(model, prefill, decode, pre, dec, ttft)
+            elif path == LOCAL:
+                self._observe_local(decode, dec, ttft)
+
+    def _observe_handoff(self, model, prefill, decode, pre, dec, ttft) -> None:
+        evaluated = pre.get("prompt_tokens_evaluated") or 0
+        prefill_time = pre.get("prefill_time") or 0.0
+        if evaluated >= MIN_TOKENS_FOR_SPEED and prefill_time > 0:
+            self._avg("prefill_speed", prefill).add(evaluated / prefill_time)
+        if prefill_time > 0:
+            self._avg("prefill_time", prefill).add(prefill_time)
+        kv_bytes = dec.get("kv_bytes") or 0
+        transfer = dec.get("kv_transfer_time") or 0.0
+        copy = sum(float(x or 0.0) for x in (pre.get("kv_export_time"), pre.get("kv_checksum_time"),
+                                            dec.get("kv_load_time")))
+        if kv_bytes and evaluated:
+            self._avg("kv_bytes_per_token", model).add(kv_bytes / evaluated)
+        if kv_bytes and transfer > 0:
+            self._avg("link", prefill, decode).add(kv_bytes / transfer)
+        if kv_bytes and copy > 0:
+            self._avg("copy", model).add(kv_bytes / copy)
+        if ttft is not None:
+            parts = prefill_time + transfer + copy + float(dec.get("first_token_time") or 0.0)
+            self._avg("fixed", HANDOFF).add(max(0.0, ttft - parts))
+
+    def _observe_local(self, decode, dec, ttft) -> None:
+        tokens = dec.get("prompt_tokens") or 0
+        took = dec.get("prompt_eval_time") or 0.0
+        if tokens >= MIN_TOKENS_FOR_SPEED and took > 0:
+            self._avg("local_speed", decode).add(tokens / took)
+        if ttft is not None:
+            parts = took + float(dec.get("first_token_time") or 0.0)
+            self._avg("fixed", LOCAL).add(max(0.0, ttft - parts))
+
+    # -- estimating ---------------------------------------------------------------------------
+
+    def speeds(self, prefill: str | None, decode: str, reported: tuple = (None, None)) -> tuple[float, float, str]:
+        """(prefill speed, decode-side prompt speed, basis): measured (by this client, or as the servers'
+        ``/health`` reported them: ``reported``), one side through the prior's ratio, or the prior alone."""
+        p = self._value("prefill_speed", prefill) or reported[0]
+        d = self._value("local_speed", decode) or reported[1]
+        if p and d:
+            return p, d, "measured"
+        if p:
+            return p, p / PRIOR_PREFILL_SPEEDUP, "prefill measured, decode side by the prior's ratio"
+        if d:
+            return d * PRIOR_PREFILL_SPEEDUP, d, "decode side measured, prefill by the prior's ratio"
+        return PRIOR_LOCAL_SPEED * PRIOR_PREFILL_SPEEDUP, PRIOR_LOCAL_SPEED, "prior"
+
+    def estimate(self, model: str, chars: int, prefill: str | None, decode: str,
+                 prefill_queue: int = 0, reported: tuple = (None, None)) -> dict:
+        """Estimated seconds to first token of each path for a prompt of ``chars`` characters; with
+        ``prefill_queue`` requests ahead of this one on the prefill server, and the prompt speeds the
+        two servers ``reported`` (their ``/health``) standing in for figures not measured yet."""
+        with self._lock:
+            per_token = self._value("chars_per_token", model) or PRIOR_CHARS_PER_TOKEN
+            n = max(1, round(chars / per_token))
+            p_speed, d_speed, basis = self.speeds(prefill, decode, reported)
+            bpt = self._value("kv_bytes_per_token", model) or PRIOR_KV_BYTES_PER_TOKEN
+            link = self._value("link", prefill, decode) or PRIOR_LINK_BYTES_PER_S
+            copy = self._value("copy", model) or PRIOR_COPY_BYTES_PER_S
+            fixed_h = self._value("fixed", HANDOFF)
+            fixed_l = self._value("fixed", LOCAL)
+            wait = prefill_queue * (self._value("prefill_time", prefill) or 0.0)
+        handoff = ((PRIOR_FIXED[HANDOFF] if fixed_h is None else fixed_h) + wait + (n - 1) / p_speed
+                   + (n - 1) * bpt * (1 / link + 1 / copy))
+        local = (PRIOR_FIXED[LOCAL] if fixed_l is None else fixed_l) + (n - 1) / d_speed
+        return {HANDOFF: round(handoff, 6), LOCAL: round(local, 6), "prompt_tokens": n, "basis": basis,
+                "prefill_speed": round(p_speed, 1), "decode_side_speed": round(d_speed, 1),
+                "kv_bytes_per_token": round(bpt), "link_bytes_per_s": round(link), "prefill_wait": round(wait, 6)}
+
+    def decide(self, mode: str, model: str, chars: int, prefill: str | None, decode: str | None,
+               prefill_queue: int = 0, reported: tuple = (None, None)) -> Decision:
+        """The path for one request under ``mode`` (``client.route``), with the reason."""
+        if mode == HANDOFF or (mode == "auto" and decode is None):
+            return Decision(HANDOFF, f"forced: client.route is {mode!r}" if mode == HANDOFF
+                            else "no decode server to estimate for", {})
+        if mode == LOCAL:
+            return Decision(LOCAL, "forced: client.route is 'decode_only'", {})
+        if prefill is None:
+            return Decision(LOCAL, "no prefill server up", {})
+        est = self.estimate(model, chars, prefill, decode, prefill_queue, reported)
+        path = HANDOFF if est[HANDOFF] < est[LOCAL] else LOCAL
+        reason = (f"estimated TTFT for ~{est['prompt_tokens']} prompt tokens: handoff {est[HANDOFF] * 1000:.0f} ms, "
+                  f"decode-only {est[LOCAL] * 1000:.0f} ms (speeds {est['prefill_speed']:.0f} vs "
+                  f"{est['decode_side_speed']:.0f} tok/s, {est['basis']})")
+        return Decision(path, reason, est)
+
+    def snapshot(self) -> dict:
+        """Every figure measured so far, for status pages and tests."""
+        with self._lock:
+            return {"/".join(str(k) for k in key): round(avg.value, 6) for key, avg in self._figures.items()}

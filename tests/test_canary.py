@@ -1,0 +1,214 @@
+"""The handoff canary (kv/canary.py): the comparison, the tolerances, and real servers refusing
+an intact-but-wrong KV state, with the client recomputing it."""
+from __future__ import annotations
+
+import io
+import json
+import re
+import warnings
+
+import numpy as np
+import pytest
+
+from disaggregated_inference import config as cluster_config
+from disaggregated_inference.client import KV_LOST_CODES, DisaggregatedClient
+from disaggregated_inference.errors import BundleError, CanaryMismatch, ConfigError, from_body
+from disaggregated_inference.kv import bundle
+from disaggregated_inference.kv.canary import CanaryPolicy, compare, fingerprint, log_softmax
+
+from .conftest import cluster_config_dict
+
+
+def logits_with(top: dict, n: int = 1000, seed: int = 0) -> np.ndarray:
+    x = np.random.default_rng(seed).normal(size=n).astype(np.float32)
+    for i, v in top.items():
+        x[i] = v
+    return x
+
+
+def roundtrip(canary: dict) -> dict:
+    return json.loads(json.dumps(canary))  # as it travels in the bundle header
+
+
+# -- the comparison -------------------------------------------------------------------------------
+
+def test_the_fingerprint_is_the_top_k_log_probs_likeliest_first():
+    x = logits_with({7: 9.0, 3: 8.0, 500: 7.5})
+    c = fingerprint(x, 3, "llama_cpp/cpu")
+    assert c["ids"] == [7, 3, 500] and c["k"] == 3 and c["engine"] == "llama_cpp/cpu"
+    lp = log_softmax(x)
+    assert c["logprobs"] == pytest.approx([lp[7], lp[3], lp[500]], abs=0)
+    assert np.exp(lp).sum() == pytest.approx(1.0)
+
+
+def test_identical_logits_compare_as_zero_after_travelling_as_json_and_a_constant_shift_changes_nothing():
+    x = logits_with({7: 9.0, 3: 8.0})
+    sent = roundtrip(fingerprint(x, 8, "e"))
+    assert compare(sent, x) == (True, 0.0)
+    top1, divergence = compare(sent, x + np.float32(3.0))
+    assert top1 and divergence < 1e-5
+
+
+def test_divergence_is_the_largest_log_prob_difference_over_the_prefill_top_k():
+    x = logits_with({7: 9.0, 3: 8.0, 11: 7.0})
+    sent = fingerprint(x, 3, "e")
+    y = x.copy()
+    y[11] += 0.3  # the third token gains; everything else renormalises a little
+    top1, divergence = compare(sent, y)
+    expected = np.max(np.abs(log_softmax(y)[[7, 3, 11]] - log_softmax(x)[[7, 3, 11]]))
+    assert top1 and divergence == pytest.approx(expected) and divergence > 0.2
+
+
+def test_a_token_only_the_decode_side_ranks_high_counts_by_how_far_it_rose_above_the_prefill_floor():
+    x = logits_with({7: 9.0, 3: 8.0, 11: 7.0})
+    sent = fingerprint(x, 3, "e")
+    y = x.copy()
+    y[42] = 12.0  # unseen by the prefill's top-3: now the likeliest
+    top1, divergence = compare(sent, y)
+    lp = log_softmax(y)
+    assert not top1
+    assert divergence >= lp[42] - min(sent["logprobs"]) - 1e-9 and divergence > 2
+
+
+def test_a_malformed_canary_is_a_mismatch_not_a_crash():
+    x = logits_with({})
+    with pytest.raises(CanaryMismatch):
+        compare({"ids": [1, 2], "logprobs": [0.0]}, x)
+    with pytest.raises(CanaryMismatch, match="vocabulary"):
+        compare({"ids": [len(x) + 5], "logprobs": [0.0]}, x)
+
+
+# -- the tolerances -------------------------------------------------------------------------------
+
+def test_the_tolerance_depends_on_the_engine_pair_and_on_whether_the_restore_is_exact():
+    policy = CanaryPolicy(tolerance=0.5, cross_tolerance=1.0, exact_tolerance=1e-4,
+                          pairs=({"prefill": "llama_cpp/gpu", "decode": "llama_cpp/cpu", "tolerance": 0.8},))
+    assert policy.tolerance_for("llama_cpp/cpu", "llama_cpp/cpu") == 0.5
+    assert policy.tolerance_for("llama_cpp/cpu", "llama_cpp/cpu", exact=True) == 1e-4
+    assert policy.tolerance_for("llama_cpp/gpu", "llama_cpp/cpu", exact=True) == 0.8
+    assert policy.tolerance_for("mlx/metal", "llama_cpp/cpu") == 1.0
+
+
+def test_check_reports_figures_within_tolerance_and_refuses_beyond_it():
+    x = logits_with({7: 9.0, 3: 8.0, 11: 7.0})
+    policy = CanaryPolicy(tolerance=0.5, exact_tolerance=1e-4)
+    sent = roundtrip(policy.make(x, "llama_cpp/cpu", alone=True))
+    y = x.copy()
+    y[11] += 0.3
+    figures = policy.check(sent, y, "llama_cpp/cpu")  # batched on this side: the loose tolerance
+    assert figures["canary"] == "passed" and figures["canary_top1_match"] is True
+    assert 0.2 < figures["canary_divergence"] <= 0.5 and figures["canary_tolerance"] == 0.5
+    with pytest.raises(CanaryMismatch) as caught:  # both alone, exact restore: the same change is refused
+        policy.check(sent, y, "llama_cpp/cpu", exact=True)
+    assert caught.value.details["canary_tolerance"] == 1e-4 and caught.value.status == 422
+    assert policy.check({}, y, "llama_cpp/cpu") == {"canary": "absent"}
+
+
+def test_a_canary_mismatch_travels_as_its_own_code_and_the_client_treats_it_as_a_lost_kv():
+    err = from_body(422, CanaryMismatch("wrong state", field="kv", canary_divergence=3.0).to_dict())
+    assert isinstance(err, CanaryMismatch) and isinstance(err, BundleError)
+    assert err.code == "canary_mismatch" and err.details["canary_divergence"] == 3.0
+    assert "canary_mismatch" in KV_LOST_CODES
+
+
+@pytest.mark.parametrize("server, says", [
+    ({"canary_tolerance": -1}, "server.canary_tolerance"),
+    ({"canary_top_k": -2}, "server.canary_top_k"),
+    ({"canary_pairs": [{"prefill": "llama_cpp/gpu", "decode": "llama_cpp/cpu"}]}, "server.canary_pairs"),
+    ({"canary_pairs": [{"prefill": "a", "decode": "b", "tolerance": "high"}]}, "server.canary_pairs"),
+    ({"canary_toleranse": 1.0}, "server.canary_toleranse"),
+])
+def test_bad_canary_settings_are_refused_on_load_naming_the_key(server, says):
+    data = cluster_config_dict()
+    data["server"].update(server)
+    with pytest.raises(ConfigError) as caught:
+        cluster_config.from_dict(data)
+    assert caught.value.field == says
+
+
+# -- real servers ---------------------------------------------------------------------------------
+
+PROMPT = ("The quarterly sales report lists revenue by region, product line and month, with notes on "
+          "returns and discounts. " * 6 + "\nSummarise the report above in one sentence.")
+
+
+def canary_counts(http, decode_url: str) -> dict:
+    text = http.get(f"{decode_url}/metrics").text
+    counts = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^disagg_canary_checks_total\{result="(\w+)"\} (\S+)$', text, re.M)}
+    failures = re.search(r"^disagg_canary_failures_total (\S+)$", text, re.M)
+    counts["failures"] = float(failures.group(1)) if failures else 0.0
+    return counts
+
+
+def damaged_bundle(raw: bytes) -> bytes:
+    """The bundle with its KV's last 1% zeroed (values of the last layer's latest cells) and its
+    checksum recomputed: framing, sizes and CRC all pass; only the state is wrong."""
+    header, tokens, payload = bundle.read_bundle(io.BytesIO(raw))
+    payload = bytearray(payload)
+    cut = len(payload) - len(payload) // 100
+    payload[cut:] = bytes(len(payload) - cut)
+    header.payload_crc32c = bundle.payload_checksum(payload)
+    return bundle.to_bytes(header, tokens, bytes(payload))
+
+
+@pytest.mark.slow
+def test_every_handoff_carries_a_canary_and_an_unloaded_one_matches_bit_for_bit(cluster):
+    with DisaggregatedClient(cluster.config, health_check=False) as client:
+        client.check_health()
+        for model in ("qwen", "gpt-oss"):
+            _, m = client.generate(model, PROMPT, max_tokens=4)
+            assert m["method"] == "kv_handoff", m
+            assert m["canary"] == "passed" and m["canary_top1_match"] is True, m
+            # one request at a time: both sides evaluate the token alone, so the exact tolerance applies
+            assert m["canary_tolerance"] == pytest.approx(1e-4) and m["canary_divergence"] <= 1e-4, m
+            assert m["canary_ms"] > 0
+
+
+@pytest.mark.slow
+def test_a_checksum_valid_but_wrong_state_is_refused_by_the_canary(http, qwen_prefill, qwen_decode, bytes_server):
+    before = canary_counts(http, qwen_decode)
+    pre = http.post(f"{qwen_prefill}/prefill", json={"prompt": PROMPT}).json()
+    assert pre["metrics"]["canary_ms"] > 0
+    url = bytes_server("/kv/canary-damaged", damaged_bundle(http.get(pre["kv"]["url"]).content))
+    resp = http.post(f"{qwen_decode}/decode", json={"kv": {"url": url, "handle": "canary-damaged"},
+                                                     "max_new_tokens": 8})
+    assert resp.status_code == 422, resp.text
+    body = resp.json()
+    assert body["code"] == "canary_mismatch" and body["canary_divergence"] > body["canary_tolerance"], body
+    after = canary_counts(http, qwen_decode)
+    assert after["failures"] == before["failures"] + 1
+    assert after.get("failed", 0) == before.get("failed", 0) + 1
+
+
+@pytest.mark.slow
+def test_the_client_recomputes_a_state_its_canary_refused_and_answers_right(
+        cluster, http, qwen_decode, bytes_server, monkeypatch):
+    with DisaggregatedClient(cluster.config, health_check=False) as client:
+        client.check_health()
+        expected, clean = client.generate("qwen", PROMPT, max_tokens=12)
+        assert clean["canary"] == "passed"
+        before = canary_counts(http, qwen_decode)
+
+        real_post, damaged = client._post, []
+
+        def post(server, path, body, timeout):
+            answer = real_post(server, path, body, timeout)
+            if path == "/prefill" and not damaged:  # the first handoff's KV goes wrong on the way
+                handle = "client-canary-damaged"
+                url = bytes_server(f"/kv/{handle}", damaged_bundle(http.get(answer["kv"]["url"]).content))
+                answer["kv"] = {"url": url, "handle": handle}
+                damaged.append(handle)
+            return answer
+
+        monkeypatch.setattr(client, "_post", post)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a recompute, not the decode-only fallback
+            text, m = client.generate("qwen", PROMPT, max_tokens=12)
+    assert damaged, "the damaged bundle was never handed over"
+    assert text == expected
+    assert m["method"] == "kv_handoff" and m["canary"] == "passed"
+    assert any("canary" in w or "does not reproduce" in w for w in m["warnings"]), m["warnings"]
+    after = canary_counts(http, qwen_decode)
+    assert after["failures"] == before["failures"] + 1
+    assert after["passed"] == before["passed"] + 1

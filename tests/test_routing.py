@@ -1,0 +1,183 @@
+"""Conditional disaggregation (routing.py): the cost model's decisions, and the client choosing per request."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from disaggregated_inference import config as cluster_config
+from disaggregated_inference.client import DisaggregatedClient
+from disaggregated_inference.errors import BadRequest, ConfigError
+from disaggregated_inference.routing import HANDOFF, LOCAL, CostModel, prompt_chars
+
+from .conftest import cluster_config_dict
+
+FEW = "Say OK."                      # a handful of tokens
+LONG = "word " * 2000                 # ~2k tokens as far as the prior's 4 characters per token go
+
+
+def handoff(model: CostModel, tokens: int, prefill_speed: float, kv_per_token: int = 40_000,
+            link: float = 2e9, fixed: float = 0.03, chars: int | None = None) -> None:
+    """Feed one handoff's figures: ``tokens`` evaluated at ``prefill_speed``, the KV over ``link`` bytes/s."""
+    took = tokens / prefill_speed
+    kv = tokens * kv_per_token
+    pre = {"prompt_tokens": tokens + 1, "prompt_tokens_evaluated": tokens, "prefill_time": took,
+           "kv_export_time": 0.0, "kv_checksum_time": 0.0}
+    dec = {"prompt_tokens": tokens + 1, "kv_bytes": kv, "kv_transfer_time": kv / link, "kv_load_time": 0.0,
+           "first_token_time": 0.01}
+    model.observe("m", chars or 4 * (tokens + 1), HANDOFF, "p", "d", pre, dec, fixed + took + kv / link + 0.01)
+
+
+def local(model: CostModel, tokens: int, speed: float, fixed: float = 0.005) -> None:
+    took = tokens / speed
+    dec = {"prompt_tokens": tokens + 1, "prompt_eval_time": took, "first_token_time": 0.01}
+    model.observe("m", 4 * (tokens + 1), LOCAL, None, "d", {}, dec, fixed + took + 0.01)
+
+
+def test_the_cold_start_prior_keeps_a_few_tokens_local_and_hands_a_long_prompt_off():
+    model = CostModel()
+    few = model.decide("auto", "m", len(FEW), "p", "d")
+    assert few.path == LOCAL and few.estimates[LOCAL] < few.estimates[HANDOFF]
+    assert few.estimates["basis"] == "prior"
+    long = model.decide("auto", "m", len(LONG), "p", "d")
+    assert long.path == HANDOFF and long.estimates["prompt_tokens"] == 2500
+    assert "handoff" in long.reason and "decode-only" in long.reason and "prior" in long.reason
+
+
+def test_a_fast_prefill_machine_gets_long_prompts_and_short_ones_stay_local():
+    model = CostModel()
+    for _ in range(3):
+        handoff(model, 2000, prefill_speed=8000)   # a GPU
+        local(model, 500, speed=400)               # a laptop CPU
+    assert model.decide("auto", "m", 4 * 2000, "p", "d").path == HANDOFF
+    assert model.decide("auto", "m", 4 * 8, "p", "d").path == LOCAL
+    assert model.decide("auto", "m", 4 * 8, "p", "d").estimates["basis"] == "measured"
+
+
+def test_on_equal_machines_the_handoff_never_pays_and_everything_stays_local():
+    model = CostModel()
+    for _ in range(3):
+        handoff(model, 2000, prefill_speed=300)
+        local(model, 2000, speed=300)
+    for chars in (40, 4000, 14000):
+        assert model.decide("auto", "m", chars, "p", "d").path == LOCAL
+
+
+def test_a_slow_link_makes_a_fast_prefill_server_not_worth_it():
+    model = CostModel()
+    for _ in range(3):
+        handoff(model, 2000, prefill_speed=8000, kv_per_token=200_000, link=20e6)  # 10 s per 2k-token KV
+        local(model, 2000, speed=400)
+    decision = model.decide("auto", "m", 4 * 2000, "p", "d")
+    assert decision.path == LOCAL
+    assert decision.estimates["link_bytes_per_s"] == pytest.approx(20e6, rel=0.01)
+    assert decision.estimates["kv_bytes_per_token"] == 200_000
+
+
+def test_a_queue_on_the_prefill_server_tips_the_choice():
+    model = CostModel()
+    for _ in range(3):
+        handoff(model, 2000, prefill_speed=1000)
+        local(model, 2000, speed=400)
+    assert model.decide("auto", "m", 4 * 2000, "p", "d").path == HANDOFF
+    queued = model.decide("auto", "m", 4 * 2000, "p", "d", prefill_queue=3)
+    assert queued.path == LOCAL and queued.estimates["prefill_wait"] == pytest.approx(6.0)
+
+
+def test_speeds_the_servers_report_stand_in_until_the_client_has_measured_its_own():
+    model = CostModel()
+    fast_prefill = model.decide("auto", "m", 4 * 2000, "p", "d", reported=(300.0, 300.0))
+    assert fast_prefill.estimates["basis"] == "measured"
+    assert fast_prefill.path == LOCAL  # equal speeds: the handoff's extra round trip does not pay
+    assert model.decide("auto", "m", 4 * 2000, "p", "d", reported=(9000.0, 300.0)).path == HANDOFF
+    for _ in range(3):
+        local(model, 2000, speed=20000)  # what the client measured itself wins over the report
+    assert model.decide("auto", "m", 4 * 2000, "p", "d", reported=(9000.0, 300.0)).path == LOCAL
+
+
+def test_characters_per_token_are_learned_per_model():
+    model = CostModel()
+    handoff(model, 999, prefill_speed=1000, chars=2 * 1000)  # a tokenizer that makes a token of 2 characters
+    assert model.estimate("m", 2000, "p", "d")["prompt_tokens"] == 1000
+    assert model.estimate("other", 2000, "p", "d")["prompt_tokens"] == 500
+
+
+def test_forced_modes_and_missing_servers():
+    model = CostModel()
+    assert model.decide("handoff", "m", 10, "p", "d").path == HANDOFF
+    assert model.decide("decode_only", "m", 10 ** 6, "p", "d").path == LOCAL
+    assert model.decide("auto", "m", 10 ** 6, None, "d").path == LOCAL
+    assert "forced" in model.decide("decode_only", "m", 10, "p", "d").reason
+
+
+def test_prompt_chars_counts_prompt_system_and_messages():
+    assert prompt_chars({"prompt": "abc", "system": "de"}) == 5
+    assert prompt_chars({"messages": [{"role": "user", "content": "abcd"}, {"role": "x", "content": None}]}) == 4
+
+
+def test_client_route_is_validated_on_load_and_per_request():
+    data = cluster_config_dict()
+    data["client"]["route"] = "sometimes"
+    with pytest.raises(ConfigError) as caught:
+        cluster_config.from_dict(data)
+    assert caught.value.field == "client.route"
+    data["client"]["route"] = "auto"
+    assert cluster_config.from_dict(data).client["route"] == "auto"
+    assert cluster_config.from_dict(cluster_config_dict()).client["route"] == "handoff"  # the default
+    with DisaggregatedClient(cluster_config_dict(), health_check=False) as client:
+        with pytest.raises(BadRequest) as caught:
+            client.generate("qwen", "hi", route="maybe")
+    assert caught.value.field == "route"
+
+
+# -- real servers ---------------------------------------------------------------------------------
+
+LONG_PROMPT = ("The quarterly sales report lists revenue by region, product line and month, with notes on "
+               "returns, discounts and the marketing campaigns that ran. " * 70
+               + "\nSummarise the report above in one sentence.")
+
+
+@pytest.mark.slow
+def test_auto_keeps_a_few_tokens_local_and_hands_2k_tokens_off_saying_why(cluster):
+    """A cold start: before the client has measured both paths (and before the servers report any
+    speed), the prior decides: a few tokens stay on the decode server, a long prompt goes to the
+    prefill server; each answer says why."""
+    with DisaggregatedClient(cluster.config, health_check=False) as client:
+        client.check_health()
+        for server in client.servers.values():  # this session's servers may have served other tests
+            server.health.pop("prompt_speed", None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # chosen paths, never the fallback
+            text, few = client.generate("qwen", FEW, max_tokens=4, route="auto")
+            assert few["method"] == "decode_only" and few["route"] == LOCAL, few
+            assert few["prompt_tokens_recomputed"] == few["prompt_tokens"] and few["kv_bytes"] == 0
+            assert "decode-only" in few["route_reason"] and "handoff" in few["route_reason"]
+            assert few["route_estimates"][LOCAL] < few["route_estimates"][HANDOFF]
+
+            _, long = client.generate("qwen", LONG_PROMPT, max_tokens=4, route="auto")
+            assert long["prompt_tokens"] > 1500, long["prompt_tokens"]
+            assert long["method"] == "kv_handoff" and long["route"] == HANDOFF, long
+            assert long["route_estimates"][HANDOFF] < long["route_estimates"][LOCAL]
+            assert long["prompt_tokens_recomputed"] == 1 and long["canary"] == "passed"
+        client.check_health()  # both servers now report the prompt speed of their recent requests
+        assert all(s["prompt_speed"] > 0 for s in (client.servers["local-prefill-qwen"].health,
+                                                   client.servers["local-decode-qwen"].health))
+        figures = client.costs.snapshot()
+        assert any(k.startswith("local_speed/") for k in figures) and any(k.startswith("prefill_speed/") for k in figures)
+        assert client.history[-1]["route_reason"] == long["route_reason"]
+
+
+@pytest.mark.slow
+def test_forced_routes_work_in_generate_and_stream(cluster):
+    # the running cluster's ports, with the client forced local
+    config = {**cluster.config, "client": {**cluster.config["client"], "route": "decode_only"}}
+    with DisaggregatedClient(config, health_check=False) as client:
+        client.check_health()
+        _, m = client.generate("qwen", LONG_PROMPT, max_tokens=2)
+        assert m["method"] == "decode_only" and "forced" in m["route_reason"]
+        *_, streamed = client.stream("qwen", LONG_PROMPT, max_tokens=2)
+        assert streamed["method"] == "decode_only" and streamed["route"] == LOCAL
+        _, m = client.generate("qwen", FEW, max_tokens=2, route="handoff")
+        assert m["method"] == "kv_handoff" and "forced" in m["route_reason"]
+        *_, streamed = client.stream("qwen", FEW, max_tokens=2, route="handoff")
+        assert streamed["method"] == "kv_handoff" and streamed["canary"] == "passed"
