@@ -337,18 +337,33 @@ class DisaggregatedClient:
                                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                                            json_schema=json_schema)
         decision = self._route(model_key, source, route)
-        notes: list[str] = []
-        answer = None
-        if decision.path == routing.LOCAL:  # chosen, not a fallback: no warning
+
+        def local(method: str) -> dict:
             sent, retries = [], []
             decode_server, data = self._on("decode", model_key, lambda s: self._post_retrying_connect(
                 s, "/generate", {**source, **sampling}, sent, retries))
-            answer = {"prefill": None, "prefill_server": None, "decode": data, "decode_server": decode_server,
-                      "method": "decode_only", "decode_sent_at": sent[-1], "decode_connect_retries": retries}
-        for attempt in range(1 + self.retries) if answer is None else ():
+            return {"prefill": None, "prefill_server": None, "decode": data, "decode_server": decode_server,
+                    "method": method, "decode_sent_at": sent[-1], "decode_connect_retries": retries}
+
+        answer, notes = self._by_route(model_key, decision, lambda: self._disaggregated(model_key, source, sampling),
+                                       local)
+        metrics = self._metrics(answer, started, notes)
+        metrics.update(decision.as_metrics())
+        self._learn(model_key, source, answer, metrics, clean=not notes and not answer["decode_connect_retries"])
+        self._remember(model_key, metrics)
+        return answer["decode"]["generated_text"], metrics
+
+    def _by_route(self, model_key: str, decision, handoff, local) -> tuple[dict, list[str]]:
+        """Serve a request the way ``decision`` chose: ``local("decode_only")`` when the router kept it
+        on the decode server; else ``handoff()``, recomputing a lost KV up to ``retries`` times, then
+        ``local("decode_only_fallback")`` with a ``FallbackWarning`` when no handoff could be made.
+        Returns (what the chosen call returned, the notes of what went wrong on the way)."""
+        notes: list[str] = []
+        if decision.path == routing.LOCAL:  # chosen, not a fallback: no warning
+            return local("decode_only"), notes
+        for attempt in range(1 + self.retries):
             try:
-                answer = self._disaggregated(model_key, source, sampling)
-                break
+                return handoff(), notes
             except NoServerAvailable as exc:
                 if exc.details.get("role") == "decode":
                     raise
@@ -357,19 +372,9 @@ class DisaggregatedClient:
                     break
             except _KVLost as exc:
                 notes.append(f"KV handoff failed ({exc}); recomputing" if attempt == 0 else f"KV handoff failed again ({exc})")
-        if answer is None:
-            message = "; ".join(notes) or "no prefill server available"
-            warnings.warn(f"Using fallback mode (decode-only, slower): {message}", FallbackWarning, stacklevel=2)
-            sent, retries = [], []
-            decode_server, data = self._on("decode", model_key, lambda s: self._post_retrying_connect(
-                s, "/generate", {**source, **sampling}, sent, retries))
-            answer = {"prefill": None, "prefill_server": None, "decode": data, "decode_server": decode_server,
-                      "method": "decode_only_fallback", "decode_sent_at": sent[-1], "decode_connect_retries": retries}
-        metrics = self._metrics(answer, started, notes)
-        metrics.update(decision.as_metrics())
-        self._learn(model_key, source, answer, metrics, clean=not notes and not answer["decode_connect_retries"])
-        self._remember(model_key, metrics)
-        return answer["decode"]["generated_text"], metrics
+        message = "; ".join(notes) or "no prefill server available"
+        warnings.warn(f"Using fallback mode (decode-only, slower): {message}", FallbackWarning, stacklevel=3)
+        return local("decode_only_fallback"), notes
 
     def _remember(self, model_key: str, metrics: dict) -> None:
         with self._lock:
@@ -488,32 +493,15 @@ class DisaggregatedClient:
                                            json_schema=json_schema)
         sampling["stream"] = True
         decision = self._route(model_key, source, route)
-        notes: list[str] = []
-        opened = None
-        if decision.path == routing.LOCAL:  # chosen, not a fallback: no warning
+
+        def local(method: str) -> dict:
             decode_server, lines = self._on("decode", model_key, lambda s: self._open_stream(
                 s, "/generate", {**source, **sampling}, self.decode_timeout))
-            opened = {"prefill": None, "prefill_server": None, "decode_server": decode_server, "lines": lines,
-                      "method": "decode_only"}
-        for attempt in range(1 + self.retries) if opened is None else ():
-            try:
-                opened = self._open_disaggregated(model_key, source, sampling)
-                break
-            except NoServerAvailable as exc:
-                if exc.details.get("role") == "decode":
-                    raise
-                notes.append(str(exc.message))
-                if not self._candidates("prefill", model_key):
-                    break
-            except _KVLost as exc:
-                notes.append(f"KV handoff failed ({exc}); recomputing" if attempt == 0 else f"KV handoff failed again ({exc})")
-        if opened is None:
-            message = "; ".join(notes) or "no prefill server available"
-            warnings.warn(f"Using fallback mode (decode-only, slower): {message}", FallbackWarning, stacklevel=2)
-            decode_server, lines = self._on("decode", model_key, lambda s: self._open_stream(
-                s, "/generate", {**source, **sampling}, self.decode_timeout))
-            opened = {"prefill": None, "prefill_server": None, "decode_server": decode_server, "lines": lines,
-                      "method": "decode_only_fallback"}
+            return {"prefill": None, "prefill_server": None, "decode_server": decode_server, "lines": lines,
+                    "method": method}
+
+        opened, notes = self._by_route(model_key, decision,
+                                       lambda: self._open_disaggregated(model_key, source, sampling), local)
         lines = opened.pop("lines")
         opened["first_piece_at"] = time.perf_counter()  # _open_stream returned once the first line had arrived
         decode_server = opened["decode_server"]
