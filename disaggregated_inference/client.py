@@ -383,19 +383,19 @@ class DisaggregatedClient:
                 "prefill_speed", "decode_speed", "prefill_server", "decode_server", "kv_bytes", "ttft_end_to_end",
                 "route_reason")}})
 
-    def _disaggregated(self, model_key: str, source: dict, sampling: dict) -> dict:
+    def _handoff(self, model_key: str, source: dict, decode) -> tuple:
+        """Prefill on one server (asking for the KV kind the decode servers read), then ``decode(server,
+        prefilled)`` on a decode server; a decode server's failure to get or read the KV raises
+        ``_KVLost``. Returns (prefill server, its answer, decode server, what ``decode`` returned)."""
         if not self._candidates("decode", model_key):
             raise NoServerAvailable(f"no healthy decode server for model {model_key!r}", role="decode")
         wanted = self._kv_kind(model_key)
         prefill_server, prefilled = self._on("prefill", model_key, lambda s: self._post(
             s, "/prefill", {**source, **wanted}, self.prefill_timeout))
 
-        sent, retries = [], []
-
         def decode_on(server: TrackedServer):
-            body = {"kv": prefilled["kv"], **sampling}
             try:
-                return self._post_retrying_connect(server, "/decode", body, sent, retries)
+                return decode(server, prefilled)
             except DisaggError as exc:
                 _raise_kv_lost(server, exc)
                 raise
@@ -405,6 +405,13 @@ class DisaggregatedClient:
         except NoServerAvailable as exc:
             exc.details["role"] = "decode"
             raise
+        return prefill_server, prefilled, decode_server, decoded
+
+    def _disaggregated(self, model_key: str, source: dict, sampling: dict) -> dict:
+        sent, retries = [], []
+        prefill_server, prefilled, decode_server, decoded = self._handoff(
+            model_key, source, lambda server, pre: self._post_retrying_connect(
+                server, "/decode", {"kv": pre["kv"], **sampling}, sent, retries))
         return {"prefill": prefilled, "prefill_server": prefill_server, "decode": decoded,
                 "decode_server": decode_server, "method": decoded["metrics"].get("method", "disaggregated"),
                 "decode_sent_at": sent[-1], "decode_connect_retries": retries}
@@ -543,26 +550,12 @@ class DisaggregatedClient:
 
     def _open_disaggregated(self, model_key: str, source: dict, sampling: dict) -> dict:
         """``_disaggregated`` up to the first line of the decode server's stream."""
-        if not self._candidates("decode", model_key):
-            raise NoServerAvailable(f"no healthy decode server for model {model_key!r}", role="decode")
-        prefill_server, prefilled = self._on("prefill", model_key, lambda s: self._post(
-            s, "/prefill", source, self.prefill_timeout))
-
-        def decode_on(server: TrackedServer):
-            try:
-                return self._open_stream(server, "/decode", {"kv": prefilled["kv"], **sampling}, self.decode_timeout)
-            except DisaggError as exc:
-                _raise_kv_lost(server, exc)
-                raise
-
-        try:
-            decode_server, lines = self._on("decode", model_key, decode_on)
-        except NoServerAvailable as exc:
-            exc.details["role"] = "decode"
-            raise
+        prefill_server, prefilled, decode_server, lines = self._handoff(
+            model_key, source, lambda server, pre: self._open_stream(
+                server, "/decode", {"kv": pre["kv"], **sampling}, self.decode_timeout))
         kind = (prefilled.get("kv") or {}).get("kind")
         return {"prefill": prefilled, "prefill_server": prefill_server, "decode_server": decode_server, "lines": lines,
-                "method": "kv_handoff" if kind == "llama_seq_state" else "token_ids_recompute"}
+                "method": "token_ids_recompute" if kind == "token_ids" else "kv_handoff"}
 
     def _open_stream(self, server: TrackedServer, path: str, body: dict, timeout: float):
         """POST a streaming request; return its NDJSON lines once the first one has arrived.

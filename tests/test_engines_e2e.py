@@ -70,6 +70,10 @@ def test_pair_continues_with_one_recomputed_token_as_mlx_generates(engines, urls
     assert metrics["prompt_tokens_recomputed"] == 1
     assert metrics["prefill_server"].endswith(urls[prefill].rsplit(":", 1)[1])
     assert text == own["generated_text"] and text
+    # a stream asks for the same kind: the MLX decode server continues it the same way
+    *pieces, streamed = client.stream(model=model, prompt=PROMPT, max_tokens=N_TOKENS, temperature=0)
+    assert streamed["method"] == "kv_handoff" and streamed["prompt_tokens_recomputed"] == 1, streamed
+    assert "".join(pieces) == text
 
 
 def test_llama_prefill_converts_on_request_and_refuses_other_kinds(urls, http):
