@@ -80,6 +80,7 @@ def test_mlx_continues_transformers_kv_as_its_own_split_evaluation(engines, pref
     split = mlx_logits(mlx, tokens[-1:], cache)
     imported = mlx_logits(mlx, tokens[-1:], mlx.import_neutral(prefilled.meta["neutral"], prefilled.payload,
                                                                len(tokens) - 1))
+    assert mlx.kv_convert_time is not None  # K was permuted from halves into MLX's interleaved order
     split_gap, tf_gap = np.abs(split - one_shot).mean(), np.abs(imported - one_shot).mean()
     print(f"\nfirst-token logits, mean abs from MLX one-shot ({len(tokens)} tokens): MLX split {split_gap:.6f}, "
           f"transformers KV {tf_gap:.6f}, logit spread {one_shot.std():.3f}")
@@ -97,10 +98,12 @@ def test_dynamic_cache_round_trips_and_takes_mlx_kv(engines, prefilled):
     back = tf.evaluate(tokens[-1:], tf.import_neutral(prefilled.meta["neutral"], prefilled.payload,
                                                       len(tokens) - 1)).numpy()
     assert np.array_equal(back, split)  # DynamicCache -> neutral -> DynamicCache: bit for bit
+    assert tf.kv_convert_time is None  # same order: nothing permuted
     from_mlx = mlx.prefill(PROMPT)
     assert from_mlx.meta["neutral"]["head_dim_order"] == "interleaved"
     permuted = tf.evaluate(tokens[-1:], tf.import_neutral(from_mlx.meta["neutral"], from_mlx.payload,
                                                           len(tokens) - 1)).numpy()
+    assert tf.kv_convert_time is not None
     assert np.abs(permuted - one_shot).mean() < np.abs(split - one_shot).mean() + TOLERANCE
     assert permuted.argmax() == one_shot.argmax()
 

@@ -48,6 +48,7 @@ class MlxBackend(Backend):
         self.config: dict = {}
         self._fingerprint: dict = {}
         self._evaluated = 0
+        self.kv_convert_time: float | None = None  # the last import's K permutation, when it needed one
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -156,9 +157,14 @@ class MlxBackend(Backend):
                               field="meta.neutral.n_kv_tokens")
         cache = self.new_cache()
         dtype = self.model.model.embed_tokens.weight.dtype
+        self.kv_convert_time = None if perm is None else 0.0
         for c, (_, k, v) in zip(cache, neutral.iter_layers(meta, payload)):
             k = neutral.to_float32(k, meta["dtype"])
-            c.keys = mx.array(k if perm is None else k[..., perm])[None].astype(dtype)
+            if perm is not None:
+                t = time.perf_counter()
+                k = k[..., perm]
+                self.kv_convert_time += time.perf_counter() - t
+            c.keys = mx.array(k)[None].astype(dtype)
             c.values = mx.array(neutral.to_float32(v, meta["dtype"]))[None].astype(dtype)
             c.offset = n_kv_tokens
         mx.eval([c.state for c in cache])
@@ -208,7 +214,7 @@ class MlxBackend(Backend):
         started = time.perf_counter()
         check_fits(len(received.tokens), self.settings.n_ctx)
         stops = tuple(received.meta.get("stop", ()))
-        canary = None
+        canary, converted = None, {}
         self._evaluated = 0
         if received.kind == KIND_NEUTRAL_KV:
             t = time.perf_counter()
@@ -217,6 +223,8 @@ class MlxBackend(Backend):
             received.verify()
             load_time, method = time.perf_counter() - t, "kv_handoff"
             canary = received.meta.get("canary") or {}
+            if self.kv_convert_time is not None:  # K permuted from the other head-dim order: part of kv_load_time
+                converted = {"kv_convert_time": round(self.kv_convert_time, 6)}
         elif received.kind == KIND_TOKEN_IDS:
             cache, load_time, method = self.new_cache(), 0.0, "token_ids_recompute"
             if len(received.tokens) > 1:
@@ -225,7 +233,8 @@ class MlxBackend(Backend):
             raise FingerprintMismatch(f"this MLX server cannot continue a {received.kind!r} bundle "
                                       f"(it accepts {', '.join(self.accepts)})", field="kv")
         yield from self._continue(received.tokens, cache, sampling, stops, cancelled=cancelled, started=started,
-                                  extra={"kv_load_time": round(load_time, 6), "method": method}, canary=canary)
+                                  extra={"kv_load_time": round(load_time, 6), "method": method, **converted},
+                                  canary=canary)
 
     def generate(self, prompt: Prompt, sampling: Sampling, cancelled) -> Iterator[Event]:
         _refuse_schema(sampling)

@@ -54,6 +54,7 @@ class TransformersBackend(Backend):
         self.vocab: GgufVocab | None = None
         self._fingerprint: dict = {}
         self._evaluated = 0
+        self.kv_convert_time: float | None = None  # the last import's K permutation, when it needed one
 
     @property
     def engine(self) -> str:
@@ -175,12 +176,17 @@ class TransformersBackend(Backend):
             raise BundleError(f"n_kv_tokens is {meta['n_kv_tokens']} but the bundle's token ids need {n_kv_tokens}",
                               field="meta.neutral.n_kv_tokens")
         cache = self.new_cache()
+        self.kv_convert_time = None if perm is None else 0.0
         if n_kv_tokens == 0:
             return cache
         dtype = self.model.dtype
         for il, k, v in neutral.iter_layers(meta, payload):
             k = neutral.to_float32(k, meta["dtype"])
-            k = torch.from_numpy(k if perm is None else k[..., perm].copy())
+            if perm is not None:
+                t = time.perf_counter()
+                k = k[..., perm]
+                self.kv_convert_time += time.perf_counter() - t
+            k = torch.from_numpy(k)
             v = torch.from_numpy(neutral.to_float32(v, meta["dtype"]))
             cache.update(k[None].to(self.device, dtype), v[None].to(self.device, dtype), il)
         return cache
@@ -220,7 +226,7 @@ class TransformersBackend(Backend):
         started = time.perf_counter()
         check_fits(len(received.tokens), self.settings.n_ctx)
         stops = tuple(received.meta.get("stop", ()))
-        canary = None
+        canary, converted = None, {}
         self._evaluated = 0
         if received.kind == KIND_NEUTRAL_KV:
             t = time.perf_counter()
@@ -229,6 +235,8 @@ class TransformersBackend(Backend):
             received.verify()
             load_time, method = time.perf_counter() - t, "kv_handoff"
             canary = received.meta.get("canary") or {}
+            if self.kv_convert_time is not None:  # K permuted from the other head-dim order: part of kv_load_time
+                converted = {"kv_convert_time": round(self.kv_convert_time, 6)}
         elif received.kind == KIND_TOKEN_IDS:
             cache, load_time, method = self.new_cache(), 0.0, "token_ids_recompute"
             if len(received.tokens) > 1:
@@ -237,7 +245,8 @@ class TransformersBackend(Backend):
             raise FingerprintMismatch(f"this transformers server cannot continue a {received.kind!r} bundle "
                                       f"(it accepts {', '.join(self.accepts)})", field="kv")
         yield from self._continue(received.tokens, cache, sampling, stops, cancelled=cancelled, started=started,
-                                  extra={"kv_load_time": round(load_time, 6), "method": method}, canary=canary)
+                                  extra={"kv_load_time": round(load_time, 6), "method": method, **converted},
+                                  canary=canary)
 
     def generate(self, prompt: Prompt, sampling: Sampling, cancelled) -> Iterator[Event]:
         _refuse_schema(sampling)
