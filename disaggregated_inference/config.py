@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -39,7 +40,9 @@ MODEL_KEYS = {
     "ollama_timeout": (int, float),
     "keep_alive": (str, int),
     "ollama_options": dict,
+    "device": str,           # transformers: auto | cpu | cuda | cuda:N | mps
 }
+DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:[0-9]+)?)$")
 SERVER_KEYS = {"name": str, "host": str, "port": int, "model": str, "data_url": str, **{
     k: v for k, v in MODEL_KEYS.items() if k != "aliases"}}
 CLIENT_DEFAULTS = {
@@ -253,6 +256,12 @@ def _check_keys(obj, spec: dict, where: str, source: str, required=()) -> None:
             )
 
 
+def _check_device(entry: dict, where: str, source: str) -> None:
+    if "device" in entry and not DEVICE.match(entry["device"]):
+        raise ConfigError(f"{source}: {where}.device must be auto, cpu, cuda, cuda:N or mps, got "
+                          f"{json.dumps(entry['device'])}", field=f"{where}.device")
+
+
 def _with_defaults(given, defaults: dict, where: str, source: str) -> dict:
     """Check a flat section against the types of its defaults (a None default means a string)."""
     spec = {k: str if v is None else (int, float) if isinstance(v, float) else (list, tuple) if isinstance(v, tuple) else type(v)
@@ -273,6 +282,7 @@ def from_dict(data: dict, source: str = "<dict>") -> ClusterConfig:
         models = {n: {"aliases": list(DEFAULT_ALIASES.get(n, []))} for n in sorted(filter(None, names))}
     for key, entry in models.items():
         _check_keys(entry, MODEL_KEYS, f"models.{key}", source)
+        _check_device(entry, f"models.{key}", source)
         registered = backends.names()
         if entry.get("backend", "llama_cpp") not in registered:
             raise ConfigError(f"{source}: models.{key}.backend must be a registered backend "
@@ -299,6 +309,7 @@ def from_dict(data: dict, source: str = "<dict>") -> ClusterConfig:
         for i, raw in enumerate(data[f"{role}_servers"]):
             where = f"{role}_servers[{i}]"
             _check_keys(raw, SERVER_KEYS, where, source, required=("host", "port", "model"))
+            _check_device(raw, where, source)
             if not 0 < raw["port"] < 65536:
                 raise ConfigError(f"{source}: {where}.port must be 1..65535, got {raw['port']}", field=f"{where}.port")
             if raw["model"] not in models:

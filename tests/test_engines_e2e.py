@@ -1,11 +1,16 @@
-"""Engine pairs through real gunicorn servers: llama.cpp prefill -> MLX decode, MLX prefill -> MLX decode.
+"""Engine pairs through real gunicorn servers: llama.cpp, MLX and transformers prefill -> MLX decode.
 
 Model "smol" pairs a llama.cpp prefill server with an MLX decode server (the client asks the
 prefill server for neutral_kv because the decode server's /health accepts only that);
-"smol-mlx" pairs two MLX servers. Both continue the prompt after one recomputed token.
+"smol-mlx" pairs two MLX servers; "smol-tf" a transformers prefill server (PyTorch, CPU) with
+an MLX decode server, which permutes K from transformers' head-dim order on import (where torch
+is not installed, that pair is left out of the cluster and its case skipped). Each continues the
+prompt after one recomputed token, with MLX's own greedy text for N_TOKENS tokens.
 """
 from __future__ import annotations
 
+import importlib.util
+import io
 import json
 
 import pytest
@@ -17,11 +22,18 @@ from .conftest import THREADS  # noqa: E402
 pytestmark = pytest.mark.slow
 PROMPT = "Name two uses of a pandas groupby."
 N_TOKENS = 8
+HAS_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
+# The largest log-prob difference over the top-8 (the canary's divergence) between transformers' own
+# next-token distribution and MLX's after importing transformers' KV: both run the same float32
+# weights, so only kernel rounding separates them (measured 3.7e-5 in process on this prompt; a K
+# left in the wrong head-dim order moves the logits by 5.6 mean abs). The canary's own cross-engine
+# tolerance is 1.0; this test holds the pair to 1e-3.
+TF_CANARY_TOLERANCE = 1e-3
 
 
 def engines_config() -> dict:
     model = {"backend": "llama_cpp", "model": "smollm2", "n_ctx": 2048, "n_threads": THREADS}
-    return {
+    config = {
         "models": {"smol": dict(model), "smol-mlx": dict(model, backend="mlx")},
         "prefill_servers": [
             {"name": "prefill-llama", "host": "127.0.0.1", "port": 18110, "model": "smol"},
@@ -34,6 +46,12 @@ def engines_config() -> dict:
         "client": {"prefill_timeout": 120, "decode_timeout": 300, "health_check_interval": 0, "retries": 1},
         "server": {"lease_seconds": 60, "queue_timeout": 120},
     }
+    if HAS_TORCH:  # one torch thread: torch's spinning threads crawl on a shared 2-core machine
+        config["models"]["smol-tf"] = dict(model, backend="transformers", device="cpu", n_threads=1)
+        config["prefill_servers"].append({"name": "prefill-tf", "host": "127.0.0.1", "port": 18114, "model": "smol-tf"})
+        config["decode_servers"].append({"name": "decode-mlx-3", "host": "127.0.0.1", "port": 18115,
+                                         "model": "smol-tf", "backend": "mlx"})
+    return config
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +74,16 @@ def test_decode_server_advertises_the_kinds_it_accepts(urls, http):
     assert "llama_seq_state" in http.get(urls["prefill-llama"] + "/health", timeout=30).json()["accepts"]
 
 
-@pytest.mark.parametrize("model,prefill", [("smol", "prefill-llama"), ("smol-mlx", "prefill-mlx")])
+NEEDS_TORCH = pytest.mark.skipif(not HAS_TORCH, reason="torch and transformers are not installed")
+DECODE = {"smol": "decode-mlx", "smol-mlx": "decode-mlx-2", "smol-tf": "decode-mlx-3"}
+
+
+@pytest.mark.parametrize("model,prefill", [("smol", "prefill-llama"), ("smol-mlx", "prefill-mlx"),
+                                           pytest.param("smol-tf", "prefill-tf", marks=NEEDS_TORCH)])
 def test_pair_continues_with_one_recomputed_token_as_mlx_generates(engines, urls, http, model, prefill):
     from disaggregated_inference.client import DisaggregatedClient
 
-    decode = "decode-mlx" if model == "smol" else "decode-mlx-2"
+    decode = DECODE[model]
     own = http.post(urls[decode] + "/generate", json={"prompt": PROMPT, "max_new_tokens": N_TOKENS,
                                                        "temperature": 0}, timeout=300).json()
     client = DisaggregatedClient(engines.config)
@@ -70,6 +93,9 @@ def test_pair_continues_with_one_recomputed_token_as_mlx_generates(engines, urls
     assert metrics["prompt_tokens_recomputed"] == 1
     assert metrics["prefill_server"].endswith(urls[prefill].rsplit(":", 1)[1])
     assert text == own["generated_text"] and text
+    assert metrics["canary"] == "passed" and metrics["canary_top1_match"] is True
+    if model == "smol-tf":
+        assert metrics["canary_divergence"] < TF_CANARY_TOLERANCE, metrics
     # a stream asks for the same kind: the MLX decode server continues it the same way
     *pieces, streamed = client.stream(model=model, prompt=PROMPT, max_tokens=N_TOKENS, temperature=0)
     assert streamed["method"] == "kv_handoff" and streamed["prompt_tokens_recomputed"] == 1, streamed
@@ -90,6 +116,29 @@ def test_llama_prefill_converts_on_request_and_refuses_other_kinds(urls, http):
     answer = http.post(urls["decode-mlx"] + "/decode", json={"kv": native["kv"], "max_new_tokens": 2}, timeout=120)
     assert answer.status_code == 409 and answer.json()["field"] == "fingerprint"
     assert "backend: bundle has 'llama_cpp', this server has 'mlx'" in json.dumps(answer.json())
+
+
+@NEEDS_TORCH
+def test_transformers_prefill_hands_over_halves_order_k_and_names_what_it_ran(urls, http):
+    health = http.get(urls["prefill-tf"] + "/health", timeout=30).json()
+    assert health["backend"] == "transformers"
+    assert health["fingerprint"]["weights_from"] == "gguf" and health["fingerprint"]["device"] == "cpu"
+    mlx_health = http.get(urls["decode-mlx-3"] + "/health", timeout=30).json()
+    assert health["fingerprint"]["model_sha256"] == mlx_health["fingerprint"]["model_sha256"]
+    answer = http.post(urls["prefill-tf"] + "/prefill", json={"prompt": PROMPT}, timeout=120).json()
+    assert answer["handoff"] == "neutral_kv", answer
+    refused = http.post(urls["prefill-tf"] + "/prefill", json={"prompt": PROMPT, "kv_kind": "llama_seq_state"},
+                        timeout=120)
+    assert refused.status_code == 400 and refused.json()["field"] == "kv_kind"
+    # the bundle itself: K in halves order with neox rope, as the in-process test measured
+    from disaggregated_inference.kv import bundle
+
+    got = http.get(answer["kv"]["url"], timeout=60)
+    header, tokens, payload = bundle.read_bundle(io.BytesIO(got.content))
+    meta = header.meta["neutral"]
+    assert meta["head_dim_order"] == "halves" and meta["rope"]["style"] == "neox" and meta["dtype"] == "f32"
+    assert header.meta["canary"]["engine"] == "transformers/cpu"
+    assert len(payload) == meta["n_layer"] * 2 * meta["n_kv_heads"] * (len(tokens) - 1) * meta["head_dim_k"] * 4
 
 
 def test_json_schema_is_refused_with_400(urls, http):

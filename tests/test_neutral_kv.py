@@ -67,6 +67,26 @@ def test_head_dim_reorder_is_the_rope_pair_permutation_and_inverts():
     assert np.array_equal(back.keys[2], kv.keys[2])
 
 
+def test_a_receiver_that_permutes_takes_the_other_order_only_when_flag_and_rope_agree():
+    meta, _ = neutral.encode(random_kv())  # interleaved, rope "norm"
+    halves_meta, _ = neutral.encode(neutral.reorder_head_dim(random_kv(), "halves"))
+    assert halves_meta["rope"]["style"] == "neox"  # the same rotation, laid out as halves
+    assert neutral.check_shape(halves_meta, meta, reorder=True) is True
+    assert neutral.check_shape(meta, meta, reorder=True) is False
+    with pytest.raises(BundleError) as err:  # without reorder the other order is refused
+        neutral.check_shape(halves_meta, meta)
+    assert err.value.field == "meta.neutral.head_dim_order"
+    with pytest.raises(BundleError) as err:  # a flag that contradicts the bundle's own rotation
+        neutral.check_shape(dict(meta, head_dim_order="halves"), meta, reorder=True)
+    assert err.value.field == "meta.neutral.head_dim_order"
+    with pytest.raises(BundleError) as err:
+        neutral.check_shape(dict(meta, rope={"theta": 500000.0, "style": "norm"}), meta, reorder=True)
+    assert err.value.field == "meta.neutral.rope"
+    perm = neutral.head_dim_permutation("interleaved", 8)
+    kv = random_kv()
+    assert np.array_equal(neutral.reorder_head_dim(kv, "halves").keys[1][..., perm], kv.keys[1])
+
+
 def test_from_neutral_writes_what_to_neutral_reads_both_v_layouts():
     kv = random_kv()
     for v_trans in (False, True):

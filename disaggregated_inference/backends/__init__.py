@@ -19,6 +19,7 @@ _REGISTRY: dict[str, str] = {
     "llama_cpp": "disaggregated_inference.backends.llama_cpp:LlamaCppBackend",
     "ollama": "disaggregated_inference.backends.ollama:OllamaBackend",
     "mlx": "disaggregated_inference.backends.mlx:MlxBackend",
+    "transformers": "disaggregated_inference.backends.transformers:TransformersBackend",
 }
 
 

@@ -42,6 +42,7 @@ class ModelSettings:
     ollama_timeout: float = 300.0
     keep_alive: str | int = "30m"
     ollama_options: dict = field(default_factory=dict)
+    device: str = "auto"  # transformers: auto (CUDA when torch sees it, else cpu) | cpu | cuda | cuda:N | mps
 
     @classmethod
     def from_dict(cls, data: dict, name: str = "") -> "ModelSettings":

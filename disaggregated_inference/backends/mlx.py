@@ -3,19 +3,19 @@
 The weights are the GGUF file the llama.cpp servers load, dequantised once into
 an mlx-lm model directory (``mlx_weights.py``); the fingerprint names that
 file's digest. Tokens come from the same file's vocabulary, read by llama.cpp
-with ``vocab_only`` (no tensors, no download, and exactly the ids a llama.cpp
-prefill server produces); the chat template is the GGUF's own.
+with ``vocab_only`` (``gguf_vocab.py``: exactly the ids a llama.cpp prefill server
+produces); the chat template is the GGUF's own.
 
 Prefill evaluates every prompt token but the last and exports mlx-lm's cache
 arrays as a ``neutral_kv`` bundle (float32, as MLX holds them: no conversion).
-Decode accepts ``neutral_kv`` (from MLX, or from llama.cpp converted on the
-prefill server, see ``kv/convert.py``) and ``token_ids``; it refuses K/V from
-other weights or of other shapes, naming the field. ``json_schema`` is refused
+Decode accepts ``neutral_kv`` (from MLX; from llama.cpp, converted on the
+prefill server, see ``kv/convert.py``; from transformers, whose K arrives in the
+other head-dim order and is permuted here on import) and ``token_ids``; it
+refuses K/V from other weights or of other shapes, naming the field. ``json_schema`` is refused
 (400): mlx-lm has no grammar-constrained sampling.
 """
 from __future__ import annotations
 
-import codecs
 import os
 import time
 from importlib.metadata import version as package_version
@@ -25,8 +25,9 @@ from ..errors import BadRequest, BundleError, FingerprintMismatch
 from ..kv import fingerprint as fp
 from ..kv import neutral
 from ..kv.bundle import KIND_NEUTRAL_KV, KIND_TOKEN_IDS
-from .base import Backend, Event, Prefilled, Prompt, Received, Sampling, check_fits, gguf_prompt_tokens, rate
+from .base import Backend, Event, Prefilled, Prompt, Received, Sampling, check_fits, rate
 from .gguf import resolve_gguf
+from .gguf_vocab import GgufVocab, generation_metrics, stream_text
 
 PREFILL_STEP = 512
 
@@ -43,11 +44,11 @@ class MlxBackend(Backend):
     def __init__(self, settings):
         super().__init__(settings)
         self.model = None
-        self.vocab = None  # llama.cpp, vocabulary only: tokenize / detokenize / end-of-generation
+        self.vocab: GgufVocab | None = None  # tokenize / detokenize / end-of-generation
         self.config: dict = {}
-        self._formatter = None
         self._fingerprint: dict = {}
         self._evaluated = 0
+        self.kv_convert_time: float | None = None  # the last import's K permutation, when it needed one
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -58,8 +59,6 @@ class MlxBackend(Backend):
         return 1
 
     def load(self, progress: Callable[[str], None] = lambda message: None) -> None:
-        import llama_cpp
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
         from mlx_lm.utils import load_model
 
         from .mlx_weights import model_dir
@@ -69,15 +68,7 @@ class MlxBackend(Backend):
         directory = model_dir(path, digest, progress)
         started = time.perf_counter()
         self.model, self.config = load_model(directory)
-        self.vocab = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
-        template = self.vocab.metadata.get("tokenizer.chat_template")
-        if template:
-            eos, bos = self.vocab.token_eos(), self.vocab.token_bos()
-            self._formatter = Jinja2ChatFormatter(
-                template=template,
-                eos_token=self.vocab._model.token_get_text(eos) if eos != -1 else "",
-                bos_token=self.vocab._model.token_get_text(bos) if bos != -1 else "",
-            )
+        self.vocab = GgufVocab(path)
         c = self.config
         self._fingerprint = {
             "backend": self.name, "library": "mlx-lm", "library_version": package_version("mlx-lm"),
@@ -117,7 +108,7 @@ class MlxBackend(Backend):
 
     def tokenize(self, prompt: Prompt) -> tuple[list[int], tuple]:
         """Token ids of a prompt and the stop strings its chat template adds."""
-        return gguf_prompt_tokens(prompt, self._formatter, self.vocab.tokenize)
+        return self.vocab.tokenize(prompt)
 
     # -- the cache -------------------------------------------------------------------------------
 
@@ -154,7 +145,10 @@ class MlxBackend(Backend):
 
         meta = neutral.validate_meta(meta)
         neutral.check_model(self.identity(), meta["model"])
-        neutral.check_shape(meta, self.expected_layout())
+        layout = self.expected_layout()
+        # K in the other head-dim order (from transformers' un-permuted weights) is permuted into this one
+        perm = neutral.head_dim_permutation(layout["head_dim_order"], meta["head_dim_k"]) \
+            if neutral.check_shape(meta, layout, reorder=True) else None
         if meta["pos_start"] != 0:
             raise BundleError(f"pos_start is {meta['pos_start']}; the cache must start at position 0",
                               field="meta.neutral.pos_start")
@@ -163,8 +157,14 @@ class MlxBackend(Backend):
                               field="meta.neutral.n_kv_tokens")
         cache = self.new_cache()
         dtype = self.model.model.embed_tokens.weight.dtype
+        self.kv_convert_time = None if perm is None else 0.0
         for c, (_, k, v) in zip(cache, neutral.iter_layers(meta, payload)):
-            c.keys = mx.array(neutral.to_float32(k, meta["dtype"]))[None].astype(dtype)
+            k = neutral.to_float32(k, meta["dtype"])
+            if perm is not None:
+                t = time.perf_counter()
+                k = k[..., perm]
+                self.kv_convert_time += time.perf_counter() - t
+            c.keys = mx.array(k)[None].astype(dtype)
             c.values = mx.array(neutral.to_float32(v, meta["dtype"]))[None].astype(dtype)
             c.offset = n_kv_tokens
         mx.eval([c.state for c in cache])
@@ -214,7 +214,7 @@ class MlxBackend(Backend):
         started = time.perf_counter()
         check_fits(len(received.tokens), self.settings.n_ctx)
         stops = tuple(received.meta.get("stop", ()))
-        canary = None
+        canary, converted = None, {}
         self._evaluated = 0
         if received.kind == KIND_NEUTRAL_KV:
             t = time.perf_counter()
@@ -223,6 +223,8 @@ class MlxBackend(Backend):
             received.verify()
             load_time, method = time.perf_counter() - t, "kv_handoff"
             canary = received.meta.get("canary") or {}
+            if self.kv_convert_time is not None:  # K permuted from the other head-dim order: part of kv_load_time
+                converted = {"kv_convert_time": round(self.kv_convert_time, 6)}
         elif received.kind == KIND_TOKEN_IDS:
             cache, load_time, method = self.new_cache(), 0.0, "token_ids_recompute"
             if len(received.tokens) > 1:
@@ -231,7 +233,8 @@ class MlxBackend(Backend):
             raise FingerprintMismatch(f"this MLX server cannot continue a {received.kind!r} bundle "
                                       f"(it accepts {', '.join(self.accepts)})", field="kv")
         yield from self._continue(received.tokens, cache, sampling, stops, cancelled=cancelled, started=started,
-                                  extra={"kv_load_time": round(load_time, 6), "method": method}, canary=canary)
+                                  extra={"kv_load_time": round(load_time, 6), "method": method, **converted},
+                                  canary=canary)
 
     def generate(self, prompt: Prompt, sampling: Sampling, cancelled) -> Iterator[Event]:
         _refuse_schema(sampling)
@@ -250,7 +253,6 @@ class MlxBackend(Backend):
     def _continue(self, tokens, cache, sampling: Sampling, stops, *, cancelled, started, extra, canary=None):
         """Evaluate the last prompt token on ``cache`` (which holds the rest), then sample; a handed-over
         state's ``canary`` is checked first (kv/canary.py)."""
-        import llama_cpp
         import mlx.core as mx
         from mlx_lm.sample_utils import make_sampler
 
@@ -259,55 +261,18 @@ class MlxBackend(Backend):
         sampler = make_sampler(temp=sampling.temperature, top_p=sampling.top_p if sampling.top_p < 1.0 else 0.0,
                                top_k=sampling.top_k if sampling.temperature > 0 else 0)
         stop = tuple(sampling.stop) + tuple(s for s in stops if s not in sampling.stop)
-        hold = max((len(s) for s in stop), default=1) - 1
-        vocab = self.vocab._model.vocab
         budget = min(sampling.max_new_tokens, self.settings.n_ctx - len(tokens))
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        text, sent, generated, finish, cut_at_stop = "", 0, 0, "length", False
         t_gen = time.perf_counter()
         logits = self.evaluate(tokens[-1:], cache)
         prompt_evaluated = self._evaluated
         if canary is not None:
             extra = {**extra, **self.canary.check(canary, _as_numpy(logits), self.engine)}
-        first_at = None
-        while generated < budget:
-            token = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).item()
-            if first_at is None:
-                first_at = time.perf_counter()
-            if llama_cpp.llama_vocab_is_eog(vocab, token):
-                finish = "stop"
-                break
-            generated += 1
-            text += decoder.decode(self.vocab.detokenize([token], special=False))
-            cut = min((i for i in (text.find(s, max(0, sent - hold)) for s in stop) if i >= 0), default=-1)
-            if cut >= 0:
-                text, finish, cut_at_stop = text[:cut], "stop", True
-                break
-            upto = max(sent, len(text) - hold) if stop else len(text)
-            yield Event(piece=text[sent:upto])
-            sent = upto
-            if cancelled():
-                finish = "cancelled"
-                break
-            if generated < budget:
-                logits = self.model(mx.array([[token]]), cache=cache)[:, -1, :]
-        if not cut_at_stop:
-            text += decoder.decode(b"", final=True)
-        if len(text) > sent:
-            yield Event(piece=text[sent:])
-        ended = time.perf_counter()
-        first_at = first_at or ended
-        decode_time = ended - t_gen
-        metrics = {
-            "prompt_tokens": len(tokens), "prompt_tokens_recomputed": prompt_evaluated,
-            "completion_tokens": generated, "decode_time": round(decode_time, 6),
-            "decode_speed": rate(generated, decode_time), "first_token_time": round(first_at - t_gen, 6),
-            "backend_time": round(ended - started, 6), "finish_reason": finish, **extra,
-        }
-        if extra["method"] != "kv_handoff":
-            metrics["prompt_eval_time"] = round(t_gen - started, 6)
-            metrics["prompt_eval_speed"] = rate(len(tokens), t_gen - started)
-        yield Event(metrics=metrics)
+        generated, finish, first_at = yield from stream_text(
+            self.vocab, logits, lambda l: sampler(l - mx.logsumexp(l, axis=-1, keepdims=True)).item(),
+            lambda token: self.model(mx.array([[token]]), cache=cache)[:, -1, :],
+            budget=budget, stop=stop, cancelled=cancelled)
+        yield Event(metrics=generation_metrics(tokens, prompt_evaluated, generated, finish, started=started,
+                                               t_gen=t_gen, first_at=first_at, extra=extra))
 
 
 def _refuse_schema(sampling: Sampling) -> None:

@@ -20,13 +20,17 @@ payload does not::
     pos_start       position of the first cached token; positions are
                     pos_start .. pos_start + n_kv_tokens - 1, contiguous
     rope            {"theta": base frequency, "style": "norm" | "neox"}: the
-                    rotation the cached K already carries
+                    rotation the cached K already carries ("norm" rotates
+                    interleaved pairs, "neox" halves: the style agrees with
+                    ``head_dim_order`` in every bundle)
     head_dim_order  "interleaved": RoPE pairs are (2i, 2i+1) along head_dim, as
                     llama.cpp stores K for llama-family GGUF files (whose
                     converter permuted the Q/K rows); "halves": pairs are
                     (i, i + head_dim/2), as Transformers and MLX store it with
                     the original checkpoint's weights. ``reorder_head_dim``
-                    turns one into the other.
+                    turns one into the other; a receiver whose model caches K
+                    in the other order permutes it (``check_shape(reorder=True)``
+                    says when).
     model           identity: {"model_sha256", "arch"}: the weights the K/V
                     came from (an MLX model dequantised from a GGUF file names
                     that file's digest), checked by ``check_model``.
@@ -46,6 +50,7 @@ KIND = KIND_NEUTRAL_KV
 LAYOUT = "neutral_kv/1"
 ORDERS = ("interleaved", "halves")
 ROPE_STYLES = ("norm", "neox")
+ORDER_OF_STYLE = {"norm": "interleaved", "neox": "halves"}  # the RoPE pairs each style rotates
 _DTYPES = {"f16": np.dtype("<f2"), "bf16": np.dtype("<u2"), "f32": np.dtype("<f4")}  # bf16 kept as raw bits
 MODEL_KEYS = ("model_sha256", "arch")
 
@@ -184,14 +189,20 @@ def reorder_head_dim(kv: NeutralKV, order: str) -> NeutralKV:
         raise BundleError(f"head_dim_order {order!r} is not one of {', '.join(ORDERS)}", field="head_dim_order")
     if order == kv.head_dim_order:
         return kv
-    d = kv.keys[0].shape[-1]
+    perm = head_dim_permutation(order, kv.keys[0].shape[-1])
+    keys = [np.ascontiguousarray(k[..., perm]) for k in kv.keys]
+    style = next(s for s, o in ORDER_OF_STYLE.items() if o == order)  # the same rotation, laid out as ``order``
+    return NeutralKV(keys, kv.values, dtype=kv.dtype, pos_start=kv.pos_start, rope=dict(kv.rope, style=style),
+                     head_dim_order=order, model=dict(kv.model))
+
+
+def head_dim_permutation(order: str, d: int) -> np.ndarray:
+    """Indices that put K's last axis (``d`` wide) from the other order into ``order``: ``k[..., perm]``."""
     if d % 2:
         raise BundleError(f"head_dim {d} is odd: no RoPE pairs to reorder", field="meta.neutral.head_dim_k")
-    perm = np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)]) if order == "halves" else \
-        np.stack([np.arange(d // 2), np.arange(d // 2) + d // 2], axis=1).reshape(-1)
-    keys = [np.ascontiguousarray(k[..., perm]) for k in kv.keys]
-    return NeutralKV(keys, kv.values, dtype=kv.dtype, pos_start=kv.pos_start, rope=dict(kv.rope),
-                     head_dim_order=order, model=dict(kv.model))
+    if order == "halves":
+        return np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
+    return np.stack([np.arange(d // 2), np.arange(d // 2) + d // 2], axis=1).reshape(-1)
 
 
 def check_model(ours: dict, theirs: dict) -> None:
@@ -203,12 +214,29 @@ def check_model(ours: dict, theirs: dict) -> None:
                 f"{ours.get(key)!r} here", field=f"meta.neutral.model.{key}")
 
 
-def check_shape(meta: dict, expected: dict) -> None:
-    """Refuse a bundle whose shapes or conventions differ from what this model needs; name the field."""
-    for key in ("n_layer", "n_kv_heads", "head_dim_k", "head_dim_v", "head_dim_order"):
+def check_shape(meta: dict, expected: dict, reorder: bool = False) -> bool:
+    """Refuse a bundle whose shapes or conventions differ from what this model needs; name the field.
+
+    With ``reorder`` (a receiver that can permute K), a bundle in the other head-dim order is taken
+    when its RoPE style rotates the pairs its order says (the same rotation, laid out otherwise);
+    one whose flag contradicts its style is refused naming ``head_dim_order``. Returns whether K's
+    head_dim must be permuted into ``expected["head_dim_order"]`` (``head_dim_permutation``).
+    """
+    keys = ("n_layer", "n_kv_heads", "head_dim_k", "head_dim_v") + (() if reorder else ("head_dim_order",))
+    for key in keys:
         if key in expected and meta.get(key) != expected[key]:
             raise BundleError(f"{key} is {meta.get(key)!r} in the bundle; this model needs {expected[key]!r}",
                               field=f"meta.neutral.{key}")
-    if "rope" in expected and meta.get("rope", {}).get("style") != expected["rope"]["style"]:
-        raise BundleError(f"rope style {meta.get('rope', {}).get('style')!r} in the bundle; this model uses "
-                          f"{expected['rope']['style']!r}", field="meta.neutral.rope")
+    rope, want = meta.get("rope", {}), expected.get("rope")
+    if reorder:
+        if ORDER_OF_STYLE.get(rope.get("style")) != meta.get("head_dim_order"):
+            raise BundleError(f"head_dim_order {meta.get('head_dim_order')!r} contradicts the bundle's rope style "
+                              f"{rope.get('style')!r}, which rotates {ORDER_OF_STYLE.get(rope.get('style'))} pairs",
+                              field="meta.neutral.head_dim_order")
+    elif want and rope.get("style") != want["style"]:
+        raise BundleError(f"rope style {rope.get('style')!r} in the bundle; this model uses "
+                          f"{want['style']!r}", field="meta.neutral.rope")
+    if want and "theta" in want and not np.isclose(float(rope.get("theta", 0)), float(want["theta"]), rtol=1e-6):
+        raise BundleError(f"rope theta {rope.get('theta')!r} in the bundle; this model uses {want['theta']!r}",
+                          field="meta.neutral.rope")
+    return "head_dim_order" in expected and meta.get("head_dim_order") != expected["head_dim_order"]
