@@ -21,6 +21,7 @@ from .ops.launch import MIN_NON_TEMPORAL_BYTES
 
 DEFAULT_CONFIG_FILE = "config_current.json"
 ROUTES = ("auto", "handoff", "decode_only")  # client.route (routing.MODES)
+OPENMP_WAITS = ("auto", "spin", "sleep")  # server.openmp_wait (ops/launch.py)
 
 # Settings a model entry (or a server entry, overriding its model) may carry.
 MODEL_KEYS = {
@@ -86,6 +87,10 @@ class ServerOptions:
     max_kv_bytes: int = 64 << 30
     api_token: str | None = None
     threads: int = 32  # gunicorn request threads of each server: threads - 1 may wait for or hold a model slot
+    # llama.cpp's CPU threads at a barrier: "spin" (OpenMP's default: spin briefly, then sleep), "sleep"
+    # (OMP_WAIT_POLICY=PASSIVE), or "auto": sleep only when the servers on one machine have more compute
+    # threads than it has cores (ops/launch.py)
+    openmp_wait: str = "auto"
     max_queue: int = 64  # requests waiting for a slot beyond which a server answers 503 at once
     # Trust and limits (docs/ARCHITECTURE.md, "Trust and limits")
     kv_sources: tuple = ()  # decode: hosts/URLs it may pull KV from besides the cluster's prefill servers
@@ -134,6 +139,9 @@ def check_limits(client: dict, server: dict, source: str) -> None:
         raise ConfigError(f"{source}: client.route must be one of {', '.join(ROUTES)}, got {client['route']!r}",
                           field="client.route")
     _check_ranges(server, SERVER_RANGES, "server", source)
+    if server["openmp_wait"] not in OPENMP_WAITS:
+        raise ConfigError(f"{source}: server.openmp_wait must be one of {', '.join(OPENMP_WAITS)}, "
+                          f"got {server['openmp_wait']!r}", field="server.openmp_wait")
     for entry in server["kv_sources"]:
         if not isinstance(entry, str) or not entry:
             raise ConfigError(f"{source}: server.kv_sources must be a list of host, host:port or URL strings",

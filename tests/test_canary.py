@@ -152,6 +152,56 @@ def damaged_bundle(raw: bytes) -> bytes:
     return bundle.to_bytes(header, tokens, bytes(payload))
 
 
+ROPE_BASE = 10000.0  # Llama 2's RoPE base; SmolLM2 was trained with 100,000 (its GGUF's llama.rope.freq_base)
+
+
+@pytest.fixture(scope="module")
+def other_rope_base():
+    """SmolLM2 loaded in this process as the "qwen" servers load it, except that its context runs under
+    RoPE base ROPE_BASE (llama.cpp's ``--rope-freq-base``, which no config key sets here): the same
+    file, settings and fingerprint, other rotary positions in every K it caches."""
+    import llama_cpp
+
+    from disaggregated_inference.backends.base import ModelSettings
+    from disaggregated_inference.backends.llama_cpp import LlamaCppBackend
+
+    defaults = llama_cpp.llama_context_default_params
+
+    def with_other_rope_base():
+        params = defaults()
+        params.rope_freq_base = ROPE_BASE
+        return params
+
+    backend = LlamaCppBackend(ModelSettings.from_dict({**cluster_config_dict()["models"]["qwen"], "parallel": 1}))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llama_cpp, "llama_context_default_params", with_other_rope_base)
+        backend.load()
+    yield backend
+    backend.close()
+
+
+def rope_bundle(backend, raw: bytes) -> bytes:
+    """The bundle with its state replaced by the state of the same tokens that ``backend`` (another RoPE
+    base) computes, and its checksum recomputed: header, canary, token ids and size are the real ones."""
+    header, tokens, payload = bundle.read_bundle(io.BytesIO(raw))
+    assert backend.fingerprint() == header.fingerprint  # the fingerprint cannot tell: forced through by design
+    with backend.sequence() as seq:
+        backend.logits(seq, tokens[:-1])  # what a prefill evaluates: all but the last token
+        state = bytes(backend.export_state(seq))
+    assert len(state) == len(payload) and state != bytes(payload)
+    header.payload_crc32c = bundle.payload_checksum(state)
+    return bundle.to_bytes(header, tokens, state)
+
+
+@pytest.fixture(params=["zeroed-tail", "other-rope-base"])
+def wrong_state(request):
+    """``(name, make)``: ``make(raw bundle) -> bytes``, a checksum-valid bundle whose state is wrong."""
+    if request.param == "zeroed-tail":
+        return request.param, damaged_bundle
+    backend = request.getfixturevalue("other_rope_base")
+    return request.param, lambda raw: rope_bundle(backend, raw)
+
+
 @pytest.mark.slow
 def test_every_handoff_carries_a_canary_and_an_unloaded_one_matches_bit_for_bit(cluster):
     with DisaggregatedClient(cluster.config, health_check=False) as client:
@@ -168,13 +218,15 @@ def test_every_handoff_carries_a_canary_and_an_unloaded_one_matches_bit_for_bit(
 
 
 @pytest.mark.slow
-def test_a_checksum_valid_but_wrong_state_is_refused_by_the_canary(http, qwen_prefill, qwen_decode, bytes_server):
+def test_a_checksum_valid_but_wrong_state_is_refused_by_the_canary(http, qwen_prefill, qwen_decode, bytes_server,
+                                                                   wrong_state):
+    name, make = wrong_state
     before = canary_counts(http, qwen_decode)
     pre = http.post(f"{qwen_prefill}/prefill", json={"prompt": PROMPT}).json()
     assert pre["metrics"]["canary_ms"] > 0
-    url = bytes_server("/kv/canary-damaged", damaged_bundle(http.get(pre["kv"]["url"]).content))
-    resp = http.post(f"{qwen_decode}/decode", json={"kv": {"url": url, "handle": "canary-damaged"},
-                                                     "max_new_tokens": 8})
+    handle = f"canary-{name}"
+    url = bytes_server(f"/kv/{handle}", make(http.get(pre["kv"]["url"]).content))
+    resp = http.post(f"{qwen_decode}/decode", json={"kv": {"url": url, "handle": handle}, "max_new_tokens": 8})
     assert resp.status_code == 422, resp.text
     body = resp.json()
     assert body["code"] == "canary_mismatch" and body["canary_divergence"] > body["canary_tolerance"], body
@@ -185,7 +237,8 @@ def test_a_checksum_valid_but_wrong_state_is_refused_by_the_canary(http, qwen_pr
 
 @pytest.mark.slow
 def test_the_client_recomputes_a_state_its_canary_refused_and_answers_right(
-        cluster, http, qwen_decode, bytes_server, monkeypatch):
+        cluster, http, qwen_decode, bytes_server, wrong_state, monkeypatch):
+    name, make = wrong_state
     with DisaggregatedClient(cluster.config, health_check=False) as client:
         client.check_health()
         expected, clean = client.generate("qwen", PROMPT, max_tokens=12)
@@ -197,8 +250,8 @@ def test_the_client_recomputes_a_state_its_canary_refused_and_answers_right(
         def post(server, path, body, timeout):
             answer = real_post(server, path, body, timeout)
             if path == "/prefill" and not damaged:  # the first handoff's KV goes wrong on the way
-                handle = "client-canary-damaged"
-                url = bytes_server(f"/kv/{handle}", damaged_bundle(http.get(answer["kv"]["url"]).content))
+                handle = f"client-canary-{name}"
+                url = bytes_server(f"/kv/{handle}", make(http.get(answer["kv"]["url"]).content))
                 answer["kv"] = {"url": url, "handle": handle}
                 damaged.append(handle)
             return answer
@@ -210,7 +263,7 @@ def test_the_client_recomputes_a_state_its_canary_refused_and_answers_right(
     assert damaged, "the damaged bundle was never handed over"
     assert text == expected
     assert m["method"] == "kv_handoff" and m["canary"] == "passed"
-    assert any("canary" in w or "does not reproduce" in w for w in m["warnings"]), m["warnings"]
+    assert any("does not reproduce the prefill's next-token distribution" in w for w in m["warnings"]), m["warnings"]
     after = canary_counts(http, qwen_decode)
     assert after["failures"] == before["failures"] + 1
     assert after["passed"] == before["passed"] + 1

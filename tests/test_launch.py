@@ -1,5 +1,6 @@
 """How server processes are started (``launch.py``): the command, its environment, glibc's copy tunable."""
 import json
+import os
 import subprocess
 import sys
 
@@ -118,3 +119,55 @@ def test_disagg_serve_takes_the_api_token_from_the_environment_over_the_config(
         cli.main(["serve", "--server", name, "--config", str(path)])
     settings = json.loads(started[0]["DISAGG_SERVER_SETTINGS"])
     assert settings["api_token"] == (from_environment or "config-token")
+
+
+def _cohosted(hosts, n_threads, backend="llama_cpp"):
+    return cluster_config.from_dict({
+        "prefill_servers": [{"host": hosts[0], "port": 8000, "model": "m"}],
+        "decode_servers": [{"host": hosts[1], "port": 8001, "model": "m"}],
+        "models": {"m": {"n_threads": n_threads, "backend": backend}}})
+
+
+@pytest.mark.parametrize("hosts, n_threads, backend, expected", [
+    (("127.0.0.1", "localhost"), 2, "llama_cpp", "spin"),     # 4 threads on 4 cores
+    (("127.0.0.1", "localhost"), 3, "llama_cpp", "sleep"),    # 6 threads on 4 cores: loopback names are one machine
+    (("10.0.0.1", "10.0.0.2"), 3, "llama_cpp", "spin"),       # 3 on each of two machines
+    (("127.0.0.1", "127.0.0.1"), 3, "ollama", "spin"),        # no llama.cpp threads in these processes
+])
+def test_openmp_wait_auto_sleeps_only_when_a_machines_servers_oversubscribe_its_cores(
+        monkeypatch, hosts, n_threads, backend, expected):
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    cfg = _cohosted(hosts, n_threads, backend)
+    for entry in (*cfg.prefill_servers, *cfg.decode_servers):
+        assert from_cluster(cfg, entry.name).openmp_wait == expected
+
+
+def test_openmp_wait_forced_values_and_a_wrong_one():
+    for forced in ("spin", "sleep"):
+        cfg = cluster_config.from_dict(_config(openmp_wait=forced))
+        assert from_cluster(cfg, cfg.decode_servers[0].name).openmp_wait == forced
+    with pytest.raises(ConfigError) as err:
+        cluster_config.from_dict(_config(openmp_wait="sometimes"))
+    assert err.value.field == "server.openmp_wait" and "auto, spin, sleep" in str(err.value)
+
+
+def test_the_server_command_sets_the_wait_policy_and_the_operators_own_wins():
+    sleep, spin = ServerSettings(name="a", openmp_wait="sleep"), ServerSettings(name="a", openmp_wait="spin")
+    assert launch.server_command(sleep, "127.0.0.1:9001", {})[1]["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "OMP_WAIT_POLICY" not in launch.server_command(spin, "127.0.0.1:9001", {})[1]
+    own = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert launch.server_command(sleep, "127.0.0.1:9001", own)[1]["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+@pytest.mark.parametrize("policy, spins", [("sleep", False), ("spin", True)])
+def test_llama_cpps_openmp_reads_the_policy_from_the_environment_we_build(policy, spins):
+    """libgomp reads its settings when llama.cpp loads: ask it what it took (OMP_DISPLAY_ENV)."""
+    _, env = launch.server_command(ServerSettings(name="a", openmp_wait=policy), "127.0.0.1:9001",
+                                   {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))})
+    env["OMP_DISPLAY_ENV"] = "VERBOSE"
+    shown = subprocess.run([sys.executable, "-c", "import llama_cpp"], env=env, capture_output=True, text=True,
+                           timeout=120).stderr
+    line = next((ln for ln in shown.splitlines() if "GOMP_SPINCOUNT" in ln), None)
+    if line is None:
+        pytest.skip("this llama.cpp build does not use GNU OpenMP")
+    assert (line.split("=", 1)[1].strip(" '") != "0") == spins, line

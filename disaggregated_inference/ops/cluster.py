@@ -45,8 +45,6 @@ class ServerProcess:
     def start(self, extra_env: dict | None = None) -> None:
         cmd, env = self.command({**os.environ, **(extra_env or {})})
         env.setdefault("PYTHONUNBUFFERED", "1")
-        # Several servers share this machine's cores: idle OpenMP threads must sleep, not spin.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                      pass_fds=(self.sock.fileno(),), start_new_session=True)

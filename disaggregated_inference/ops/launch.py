@@ -17,6 +17,21 @@ The dynamic loader reads ``GLIBC_TUNABLES`` only when a process starts, so it
 is set here, in the server's environment. It applies to glibc on x86-64 Linux
 only; elsewhere (macOS, ARM) nothing is set. An operator's own setting of the
 same tunable in ``GLIBC_TUNABLES`` wins.
+
+**llama.cpp's CPU threads spin unless the machine is shared.** The CPU build
+runs each op of the graph on an OpenMP team and meets a barrier after it.
+OpenMP's default makes a thread that reaches a barrier spin for a while before
+it sleeps; ``OMP_WAIT_POLICY=PASSIVE`` makes it sleep at once. Measured on the
+2-core development machine (docs/benchmarks.md, "Throughput under
+concurrency"): a decode server alone on the machine with 8 requests generating
+ran at about half its rate when its threads slept at every barrier; but four
+servers of two threads each sharing those 2 cores collapsed when they spun (at 8
+concurrent requests, 0.04 requests/s against 0.6), since a spinning thread
+holds a core while the partner it waits for is not running. So
+``server.openmp_wait`` is ``auto`` by default: sleep when the config's
+llama.cpp servers on this server's machine have more compute threads in all
+than it has cores, spin otherwise; ``spin`` and ``sleep`` force either. An
+operator's own ``OMP_WAIT_POLICY`` wins.
 """
 from __future__ import annotations
 
@@ -56,12 +71,22 @@ def check_exposure(settings, bind: str, insecure: bool = False) -> None:
                           "or pass --insecure on a network you trust", field="api_token")
 
 
+def openmp_wait(policy: str, compute_threads: int, cpus: int | None = None) -> str:
+    """``spin`` or ``sleep`` for ``server.openmp_wait`` (``auto`` decided by the threads sharing the cores)."""
+    if policy != "auto":
+        return policy
+    return "sleep" if compute_threads > (cpus or os.cpu_count() or 1) else "spin"
+
+
 def server_command(settings, bind: str, environ=None) -> tuple[list[str], dict]:
     """The command line and environment that run one server (``settings``: a ServerSettings) on ``bind``."""
     env = dict(os.environ if environ is None else environ)
     env.update(DISAGG_SERVER_SETTINGS=settings.to_json(), DISAGG_BIND=bind, DISAGG_PROC_NAME=f"disagg-{settings.name}",
                DISAGG_THREADS=str(settings.threads))
     env = with_copy_tunable(env, settings.non_temporal_copy_bytes)
+    own_threads = settings.model.n_threads or max(1, (os.cpu_count() or 2) // 2)
+    if openmp_wait(settings.openmp_wait, own_threads if settings.model.backend == "llama_cpp" else 0) == "sleep":
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read by libgomp when llama.cpp loads
     return [sys.executable, "-m", "gunicorn", "-c", "python:disaggregated_inference.server.gunicorn_conf"], env
 
 

@@ -63,15 +63,34 @@ def prefill_addresses(entries) -> tuple:
     return tuple(e.data_url or e.address for e in entries)
 
 
+def compute_threads(cfg: cluster_config.ClusterConfig, entry) -> int:
+    """CPU threads the llama.cpp servers of the config that share ``entry``'s machine compute with (its
+    own included): servers whose host is the same, every loopback name counting as one machine."""
+    from ..ops.launch import is_loopback
+
+    def machine(e):
+        return "loopback" if is_loopback(e.host) else e.host
+
+    total = 0
+    for other in (*cfg.prefill_servers, *cfg.decode_servers):
+        model = ModelSettings.from_dict(other.settings)
+        if machine(other) == machine(entry) and model.backend == "llama_cpp":
+            total += model.n_threads or max(1, (os.cpu_count() or 2) // 2)  # the backend's own default
+    return total
+
+
 def from_cluster(cfg: cluster_config.ClusterConfig, server_name: str, prefill_entries=None) -> ServerSettings:
     """One server's settings: its entry and model, and every key of the config's ``server`` section
     that is a setting here, as the type of that setting's default (a config's ``30`` is ``30.0``).
     A decode server's ``kv_peers`` are the config's prefill servers (or ``prefill_entries``, e.g. with
     the ports a local cluster actually bound)."""
+    from ..ops.launch import openmp_wait
+
     entry = cfg.find_server(server_name)
     model = ModelSettings.from_dict(entry.settings, name=entry.model)
     limits = {f.name: cfg.server[f.name] if f.default is None else type(f.default)(cfg.server[f.name])
               for f in fields(ServerSettings) if f.name in cfg.server}
+    limits["openmp_wait"] = openmp_wait(limits.get("openmp_wait", "auto"), compute_threads(cfg, entry))
     return ServerSettings(role=entry.role, model=model, name=entry.name, data_url=entry.data_url,
                           aliases=tuple(cfg.models[entry.model].get("aliases", ())),
                           kv_peers=prefill_addresses(cfg.prefill_servers if prefill_entries is None else prefill_entries),

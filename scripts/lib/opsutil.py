@@ -109,7 +109,6 @@ def cmd_spawn(args) -> int:
     Path(args.log).parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # several servers may share this machine's cores
     with open(args.log, "ab") as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(args.command)}\n".encode())
         log.flush()

@@ -1,0 +1,88 @@
+"""Grading a folder of notebooks one at a time and several at a time, on one embedded cluster.
+
+    .venv/bin/python benchmarks/grading.py --json                 # examples/notebooks, --jobs 1 then 4
+
+Starts the embedded local cluster once (both models, the config's slots), warms both models, then
+grades the same notebooks with ``jobs`` = 1 and ``jobs`` = N (``--jobs``), alternating
+(``--rounds`` times each, 1, N, 1, N, ...), into fresh output folders, and prints per run the wall
+time and the notebooks graded, and the ratio of the medians: ``jobs_1_s / jobs_N_s`` (the issue's
+target on this machine: at least 2). It also says whether the two settings gave the same scores
+(greedy decoding; under batching llama.cpp's CPU kernels are not batch-invariant, see
+docs/benchmarks.md, so a score can differ - reported, not hidden).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from disaggregated_inference import config as cluster_config  # noqa: E402
+from disaggregated_inference.grading.batch import grade_batch  # noqa: E402
+from disaggregated_inference.grading.connect import decode_slots, open_client  # noqa: E402
+from disaggregated_inference.grading.options import GradingOptions  # noqa: E402
+from disaggregated_inference.grading.rubric import load_rubric  # noqa: E402
+
+
+def run_once(target, rubric, client, options, jobs: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="grading-bench-") as out:
+        started = time.perf_counter()
+        batch = grade_batch(target, rubric, client, out, options, force=True, jobs=jobs)
+        wall = time.perf_counter() - started
+    scores = {r["submission"]["name"]: r.get("total") for r in batch.results if r}
+    statuses = sorted({r["status"] for r in batch.results if r})
+    return {"jobs": jobs, "wall_s": round(wall, 2), "notebooks": len(batch.results), "statuses": statuses,
+            "scores": scores}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--target", default=str(ROOT / "examples" / "notebooks"))
+    parser.add_argument("--rubric", default=str(ROOT / "examples" / "rubric.yaml"))
+    parser.add_argument("--config", default=str(ROOT / "config_current.json"))
+    parser.add_argument("--jobs", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=1)
+    args = parser.parse_args(argv)
+
+    def say(message):
+        print(message, file=sys.stderr, flush=True)
+
+    rubric = load_rubric(args.rubric)
+    cfg = cluster_config.load(args.config)
+    runs = []
+    with open_client(cfg, local_cluster=True, progress=lambda name, message: say(f"  [{name}] {message}")) as client:
+        options = GradingOptions.for_cluster(client.config)
+        slots = decode_slots(client)
+        say("warming up both models ...")
+        for model in ("qwen", "gpt-oss"):
+            client.generate(model=model, prompt="Say hello.", max_tokens=4)
+        for r in range(args.rounds):
+            for jobs in (1, args.jobs):
+                row = run_once(args.target, rubric, client, options, jobs)
+                say(f"round {r + 1}, --jobs {jobs}: {row['wall_s']} s for {row['notebooks']} notebooks")
+                runs.append(row)
+    one = statistics.median(r["wall_s"] for r in runs if r["jobs"] == 1)
+    many = statistics.median(r["wall_s"] for r in runs if r["jobs"] == args.jobs)
+    first = {r["jobs"]: r["scores"] for r in runs[:2]}
+    differing = sorted(name for name in first.get(1, {}) if first[1][name] != first.get(args.jobs, {}).get(name))
+    result = {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "target": os.path.relpath(args.target, ROOT), "decode_slots": slots, "runs": runs,
+        f"jobs_1_over_jobs_{args.jobs}": round(one / many, 3) if many else None,
+        "scores_differing_between_settings": differing,
+    }
+    print(json.dumps(result, indent=2) if args.json else json.dumps({k: v for k, v in result.items() if k != "runs"}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
