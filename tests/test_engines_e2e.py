@@ -46,7 +46,7 @@ def engines_config() -> dict:
         "client": {"prefill_timeout": 120, "decode_timeout": 300, "health_check_interval": 0, "retries": 1},
         "server": {"lease_seconds": 60, "queue_timeout": 120},
     }
-    if HAS_TORCH:  # one torch thread: torch's spinning threads crawl on a shared 2-core machine
+    if HAS_TORCH:  # one torch thread: every server of the module shares this machine's cores
         config["models"]["smol-tf"] = dict(model, backend="transformers", device="cpu", n_threads=1)
         config["prefill_servers"].append({"name": "prefill-tf", "host": "127.0.0.1", "port": 18114, "model": "smol-tf"})
         config["decode_servers"].append({"name": "decode-mlx-3", "host": "127.0.0.1", "port": 18115,

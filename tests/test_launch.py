@@ -1,4 +1,5 @@
 """How server processes are started (``launch.py``): the command, its environment, glibc's copy tunable."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -122,10 +123,11 @@ def test_disagg_serve_takes_the_api_token_from_the_environment_over_the_config(
 
 
 def _cohosted(hosts, n_threads, backend="llama_cpp"):
+    model = {"backend": backend, **({"n_threads": n_threads} if n_threads else {})}
     return cluster_config.from_dict({
         "prefill_servers": [{"host": hosts[0], "port": 8000, "model": "m"}],
         "decode_servers": [{"host": hosts[1], "port": 8001, "model": "m"}],
-        "models": {"m": {"n_threads": n_threads, "backend": backend}}})
+        "models": {"m": model}})
 
 
 @pytest.mark.parametrize("hosts, n_threads, backend, expected", [
@@ -133,6 +135,9 @@ def _cohosted(hosts, n_threads, backend="llama_cpp"):
     (("127.0.0.1", "localhost"), 3, "llama_cpp", "sleep"),    # 6 threads on 4 cores: loopback names are one machine
     (("10.0.0.1", "10.0.0.2"), 3, "llama_cpp", "spin"),       # 3 on each of two machines
     (("127.0.0.1", "127.0.0.1"), 3, "ollama", "spin"),        # no llama.cpp threads in these processes
+    (("127.0.0.1", "127.0.0.1"), 2, "transformers", "spin"),  # torch's threads are an OpenMP team too: 4 on 4
+    (("127.0.0.1", "127.0.0.1"), 3, "transformers", "sleep"),
+    (("127.0.0.1", "127.0.0.1"), None, "transformers", "sleep"),  # torch's default: every core, in each server
 ])
 def test_openmp_wait_auto_sleeps_only_when_a_machines_servers_oversubscribe_its_cores(
         monkeypatch, hosts, n_threads, backend, expected):
@@ -159,15 +164,19 @@ def test_the_server_command_sets_the_wait_policy_and_the_operators_own_wins():
     assert launch.server_command(sleep, "127.0.0.1:9001", own)[1]["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
+@pytest.mark.parametrize("library", ["llama_cpp", "torch"])
 @pytest.mark.parametrize("policy, spins", [("sleep", False), ("spin", True)])
-def test_llama_cpps_openmp_reads_the_policy_from_the_environment_we_build(policy, spins):
-    """libgomp reads its settings when llama.cpp loads: ask it what it took (OMP_DISPLAY_ENV)."""
+def test_openmp_reads_the_policy_from_the_environment_we_build(policy, spins, library):
+    """libgomp reads its settings when llama.cpp (or torch, with its own libgomp) loads: ask it what it
+    took (OMP_DISPLAY_ENV)."""
+    if importlib.util.find_spec(library) is None:
+        pytest.skip(f"{library} is not installed")
     _, env = launch.server_command(ServerSettings(name="a", openmp_wait=policy), "127.0.0.1:9001",
                                    {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))})
     env["OMP_DISPLAY_ENV"] = "VERBOSE"
-    shown = subprocess.run([sys.executable, "-c", "import llama_cpp"], env=env, capture_output=True, text=True,
+    shown = subprocess.run([sys.executable, "-c", f"import {library}"], env=env, capture_output=True, text=True,
                            timeout=120).stderr
     line = next((ln for ln in shown.splitlines() if "GOMP_SPINCOUNT" in ln), None)
     if line is None:
-        pytest.skip("this llama.cpp build does not use GNU OpenMP")
+        pytest.skip(f"this {library} build does not use GNU OpenMP")
     assert (line.split("=", 1)[1].strip(" '") != "0") == spins, line

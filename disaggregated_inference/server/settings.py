@@ -64,19 +64,16 @@ def prefill_addresses(entries) -> tuple:
 
 
 def compute_threads(cfg: cluster_config.ClusterConfig, entry) -> int:
-    """CPU threads the llama.cpp servers of the config that share ``entry``'s machine compute with (its
-    own included): servers whose host is the same, every loopback name counting as one machine."""
-    from ..ops.launch import is_loopback
+    """CPU threads the llama.cpp and transformers servers of the config that share ``entry``'s machine
+    compute with on OpenMP teams (its own included): servers whose host is the same, every loopback
+    name counting as one machine."""
+    from ..ops.launch import is_loopback, openmp_threads
 
     def machine(e):
         return "loopback" if is_loopback(e.host) else e.host
 
-    total = 0
-    for other in (*cfg.prefill_servers, *cfg.decode_servers):
-        model = ModelSettings.from_dict(other.settings)
-        if machine(other) == machine(entry) and model.backend == "llama_cpp":
-            total += model.n_threads or max(1, (os.cpu_count() or 2) // 2)  # the backend's own default
-    return total
+    return sum(openmp_threads(ModelSettings.from_dict(other.settings))
+               for other in (*cfg.prefill_servers, *cfg.decode_servers) if machine(other) == machine(entry))
 
 
 def from_cluster(cfg: cluster_config.ClusterConfig, server_name: str, prefill_entries=None) -> ServerSettings:
