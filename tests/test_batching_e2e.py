@@ -11,6 +11,7 @@ the prompt it was asked for), as docs/ARCHITECTURE.md says.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -161,9 +162,15 @@ def test_eight_prompts_at_once_each_get_their_own_answer(client, cluster, http, 
     assert all(m["method"] == "kv_handoff" for _, m in alone)
     assert alone[7][1]["prompt_tokens"] > 800
     several_before = _steps_with_several_requests(http, qwen_decode)
-    results, combined = client.generate_many(
-        [{"model": "qwen", "prompt": prompt(i), "max_tokens": 24} for i in range(8)], max_workers=8)
-    assert combined["failed"] == 0
+
+    def one(i):
+        text, metrics = client.generate(model="qwen", prompt=prompt(i), max_tokens=24)
+        ended = time.perf_counter()  # generating on the decode server from ended - decode_time (give or take the reply)
+        step = metrics["decode_time"] / max(1, metrics["completion_tokens"])
+        return (text, metrics), (ended - metrics["decode_time"], ended, step)
+
+    with ThreadPoolExecutor(8) as pool:
+        results, windows = zip(*pool.map(one, range(8)))
     same = 0
     for (text, metrics), (expected, _) in zip(results, alone):
         assert metrics["method"] == "kv_handoff" and metrics["prompt_tokens_recomputed"] == 1
@@ -176,8 +183,15 @@ def test_eight_prompts_at_once_each_get_their_own_answer(client, cluster, http, 
                                     list(range(8)) * 2) == []
     health = http.get(f"{qwen_decode}/health").json()["slots"]
     assert health["total"] == 4 and health["busy"] == 0
-    # they really ran together: model steps that advanced more than one request
-    assert _steps_with_several_requests(http, qwen_decode) > several_before
+    # they really ran together: when two of them were generating on the decode server at once for two of their
+    # steps or more, every step in between advanced both. Whether they overlap depends on the machine (on a
+    # loaded one each handoff can arrive after the one before has finished); batching itself is proved whatever
+    # the load by test_a_handoff_joins_while_other_sequences_are_mid_generation.
+    overlaps = [(min(a[1], b[1]) - max(a[0], b[0])) / (2 * max(a[2], b[2]))
+                for a, b in itertools.combinations(windows, 2)]
+    print(f"longest overlap of two requests' generation on the decode server: {max(overlaps):.1f} x two steps")
+    if max(overlaps) >= 1.0:
+        assert _steps_with_several_requests(http, qwen_decode) > several_before
 
 
 def _stream(url, body):
