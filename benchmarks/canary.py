@@ -5,6 +5,9 @@ exports, the other imports and decodes; kv/canary.py compares), for one model:
 
 - ``alone``: one handoff at a time, per prompt size (expected 0 where the restore is bit-exact);
 - ``batched``: the prompts prefilled and decoded together, every step shared (batching noise);
+- ``beside``: each prompt prefilled (in the order given, after the runs above, so its slot has
+  served other prompts) in steps shared with a sequence generating beside it, as on a busy
+  prefill server, then both sides' canary steps alone: the exact tolerance's condition;
 - ``damaged``: the last 1% and 0.1% of a state zeroed (checksum-valid: nothing else checks it),
   and another prompt's state of the same size under this prompt's header;
 
@@ -23,9 +26,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from disaggregated_inference.backends.base import Eval, ModelSettings, Prompt, Sampling  # noqa: E402
+from disaggregated_inference.backends.base import Eval, ModelSettings, Prefilled, Prompt, Sampling  # noqa: E402
 from disaggregated_inference.backends.llama_cpp import LlamaCppBackend  # noqa: E402
 from disaggregated_inference.errors import CanaryMismatch  # noqa: E402
+from disaggregated_inference.kv.bundle import KIND_LLAMA_SEQ_STATE  # noqa: E402
 from disaggregated_inference.kv.receive import Received  # noqa: E402
 
 TEXT = (ROOT / "README.md").read_text() + (ROOT / "docs" / "ARCHITECTURE.md").read_text()
@@ -83,6 +87,21 @@ def zero_tail(payload, fraction: float) -> bytes:
     return bytes(data)
 
 
+def prefill_beside(backend, prompt, companion: list[int]) -> Prefilled:
+    """``prompt`` prefilled in steps that each also evaluate one token of another sequence (``companion``'s
+    ids, one per step, as a request generating beside it), its canary step alone."""
+    tokens, _ = backend.tokenize(prompt)
+    with backend.sequence() as seq, backend.sequence() as other:
+        ev, i = Eval(seq, tokens[:-1], 0, logits=False), 0
+        while not ev.complete:
+            backend.evaluate([ev, Eval(other, [companion[i % len(companion)]], i)])
+            i += 1
+        payload = bytes(backend.export_state(seq))
+        canary = backend.canary.make(backend.logits(seq, [tokens[-1]], len(tokens) - 1), backend.engine, alone=True)
+    return Prefilled(KIND_LLAMA_SEQ_STATE, tokens, payload, backend.fingerprint(), {"steps_shared": i},
+                     {"canary": canary, "stop": []})
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
@@ -116,12 +135,17 @@ def main(argv=None) -> int:
     received = [Received(p.kind, p.tokens, bytes(p.payload), p.fingerprint, p.meta) for p in prefilled]
     events, _ = joint(decoder, [decoder.decode(r, Sampling(max_new_tokens=1), lambda: False) for r in received])
     batched = [{"prompt_tokens": len(p.tokens), **outcome(e)} for p, e in zip(prefilled, events)]
+    companion = prefill.tokenize(Prompt(text=TEXT[-20000:], raw=True))[0]
+    beside = []
+    for prompt in prompts:
+        pre = prefill_beside(prefill, prompt, companion)
+        beside.append({"prompt_tokens": len(pre.tokens), **pre.metrics, **decode(decoder, pre)})
     out = {"model": args.model, "flash_attn": settings.flash_attn, "threads": args.threads, "alone": alone,
-           "batched": batched, "damaged": damaged}
+           "batched": batched, "beside": beside, "damaged": damaged}
     if args.json:
         print(json.dumps(out))
     else:
-        for name in ("alone", "batched", "damaged"):
+        for name in ("alone", "batched", "beside", "damaged"):
             for row in out[name]:
                 print(name, json.dumps(row))
     return 0

@@ -279,8 +279,9 @@ class LlamaCppBackend(Backend):
         numerics bit for bit (the canary's exact tolerance). Not for a sliding-window model: with flash
         attention past its window it is not bit-exact (docs/sliding-window.md), and without it a Gemma 3
         handoff in the grading calibration run (several requests at once) came out 0.046 away with both
-        sides alone in their step, which in-process runs (0.0 at 25 to 1,573 tokens) did not reproduce;
-        until that is explained those models are checked at the same-engine tolerance."""
+        sides alone in their step; in process, 0.14 at 1,300 tokens once the slots had served other
+        prompts and the prompt shared its steps with a generating sequence (0 otherwise, and always 0
+        for SmolLM2). So those models are checked at the same-engine tolerance."""
         return not (self._fingerprint.get("n_swa") or 0)
 
     def _row_logits(self, row: int):
