@@ -104,6 +104,55 @@ def test_check_reports_figures_within_tolerance_and_refuses_beyond_it():
     assert policy.check({}, y, "llama_cpp/cpu") == {"canary": "absent"}
 
 
+def test_the_exact_tolerance_needs_the_same_thread_count_on_both_sides():
+    x = logits_with({7: 9.0, 3: 8.0, 11: 7.0})
+    y = x.copy()
+    y[11] += 0.1
+    policy = CanaryPolicy(tolerance=0.5, exact_tolerance=1e-4)
+    sent = roundtrip(policy.make(x, "llama_cpp/cpu", alone=True, threads=2))
+    assert sent["threads"] == 2
+    with pytest.raises(CanaryMismatch):
+        policy.check(sent, y, "llama_cpp/cpu", exact=True, threads=2)
+    assert policy.check(sent, y, "llama_cpp/cpu", exact=True, threads=1)["canary_tolerance"] == 0.5
+    # a canary that names no thread count (an older prefill server) is not held to bit-exactness
+    unnamed = roundtrip(policy.make(x, "llama_cpp/cpu", alone=True))
+    assert "threads" not in unnamed
+    assert policy.check(unnamed, y, "llama_cpp/cpu", exact=True, threads=2)["canary_tolerance"] == 0.5
+
+
+def test_a_handoff_between_cpu_contexts_of_different_thread_counts_passes_at_the_same_engine_tolerance():
+    """Measured: ggml's CPU attention splits one query's cells over its threads past a few hundred
+    cells, so a 301-token SmolLM2 state prefilled with 2 threads and continued with 1 gives a
+    divergence of ~0.15 with both canary steps alone; with the same count it is 0. Before the
+    canary carried ``threads``, the exact tolerance refused every such handoff (a prefill server
+    and a decode server sized for their own machines)."""
+    from disaggregated_inference.backends import ModelSettings, create
+    from disaggregated_inference.backends.base import Prompt, Received, Sampling
+
+    two, one = (create(ModelSettings(model="smollm2", n_threads=n, n_ctx=1024, flash_attn=True, parallel=1))
+                for n in (2, 1))
+    try:
+        for backend in (two, one):
+            backend.load()
+        prompt = Prompt(text="The quarterly sales report lists revenue by region, product line and month, " * 20)
+        _, prefilled = two.run(two.prefill(prompt))
+        assert prefilled.meta["canary"]["threads"] == 2 and len(prefilled.tokens) > 256
+
+        def continued(backend) -> dict:
+            received = Received(kind=prefilled.kind, tokens=prefilled.tokens, payload=prefilled.payload,
+                                fingerprint=prefilled.fingerprint, meta=prefilled.meta)
+            events, _ = backend.run(backend.decode(received, Sampling(max_new_tokens=1, temperature=0), lambda: False))
+            return next(e.metrics for e in events if e.metrics)
+
+        same, other = continued(two), continued(one)
+        assert same["canary_tolerance"] == 1e-4 and same["canary_divergence"] == 0.0
+        assert other["canary"] == "passed" and other["canary_tolerance"] == 0.5
+        assert 0 < other["canary_divergence"] <= 0.5
+    finally:
+        for backend in (two, one):
+            backend.close()
+
+
 def test_a_canary_mismatch_travels_as_its_own_code_and_the_client_treats_it_as_a_lost_kv():
     err = from_body(422, CanaryMismatch("wrong state", field="kv", canary_divergence=3.0).to_dict())
     assert isinstance(err, CanaryMismatch) and isinstance(err, BundleError)

@@ -145,3 +145,21 @@ def test_json_schema_is_refused_with_400(urls, http):
     answer = http.post(urls["decode-mlx"] + "/generate", json={"prompt": PROMPT, "json_schema": {"type": "object"}},
                        timeout=120)
     assert answer.status_code == 400 and answer.json()["field"] == "json_schema"
+
+
+def test_ignore_eos_is_refused_where_the_backend_cannot_honour_it(urls, http):
+    answer = http.post(urls["decode-mlx"] + "/generate", json={"prompt": PROMPT, "ignore_eos": True}, timeout=120)
+    assert answer.status_code == 400 and answer.json()["field"] == "ignore_eos"
+    assert "mlx" in answer.json()["error"]
+
+
+def test_servers_end_by_themselves_on_sigterm(engines):
+    """Last in this module: stopping ends each server by its own exit path, status 0. An MLX server
+    used to abort at exit ("terminate called without an active exception": its model's thread was
+    still alive) and then spend seconds in torch's static destructors, so the launcher's 15 s wait
+    ended in SIGKILL (-9) and every teardown of this module took a minute."""
+    for name in ("decode-mlx-2", "prefill-mlx", "prefill-llama"):
+        process = engines.process(name)
+        process.stop()
+        assert process.proc.returncode == 0, (name, process.proc.returncode, process.log_tail())
+        assert "terminate called" not in process.log_path.read_text(errors="replace")

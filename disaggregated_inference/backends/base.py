@@ -70,6 +70,9 @@ class Sampling:
     seed: int | None = None
     stop: tuple = ()
     json_schema: dict | None = None  # constrain the output to this JSON schema
+    # never end at an end-of-generation token: exactly max_new_tokens (or a stop string), for
+    # benchmarks, as llama.cpp's server and vLLM offer; backends without it refuse the request
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -170,6 +173,8 @@ class Backend(abc.ABC):
     # (kv/canary.py); the server sets its policy from its settings. The others report
     # ``canary: "unavailable"`` in their decode metrics.
     canary: CanaryPolicy = CanaryPolicy()
+    # whether ``Sampling.ignore_eos`` is honoured (the server refuses it where it is not)
+    ignores_eos: ClassVar[bool] = False
 
     @property
     def engine(self) -> str:

@@ -49,7 +49,7 @@ def log_softmax(logits):
     return shifted - np.log(np.exp(shifted).sum())
 
 
-def fingerprint(logits, k: int, engine: str, alone: bool = False) -> dict:
+def fingerprint(logits, k: int, engine: str, alone: bool = False, threads: int | None = None) -> dict:
     """The top-``k`` token ids of ``logits`` and their log-probabilities, likeliest first.
 
     Not rounded: JSON carries a float64 exactly, so identical logits on both sides compare as 0."""
@@ -59,8 +59,11 @@ def fingerprint(logits, k: int, engine: str, alone: bool = False) -> dict:
     k = max(1, min(int(k), lp.shape[0]))
     top = np.argpartition(-lp, k - 1)[:k]
     top = top[np.argsort(-lp[top], kind="stable")]
-    return {"k": k, "ids": [int(i) for i in top], "logprobs": [float(lp[i]) for i in top],
-            "engine": engine, "alone": bool(alone)}
+    out = {"k": k, "ids": [int(i) for i in top], "logprobs": [float(lp[i]) for i in top],
+           "engine": engine, "alone": bool(alone)}
+    if threads:
+        out["threads"] = int(threads)
+    return out
 
 
 def compare(sent: dict, logits) -> tuple[bool, float]:
@@ -93,8 +96,12 @@ class CanaryPolicy:
     in this order: an explicit ``pairs`` entry for the (prefill engine, decode engine)
     pair, e.g. ``{"prefill": "llama_cpp/gpu", "decode": "llama_cpp/cpu", "tolerance":
     1.0}``; ``exact_tolerance`` when the engines are the same, both sides evaluated the
-    token alone in their step (batching moves logits) and the backend restores this
-    state bit for bit (``exact``); ``tolerance`` for the same engine otherwise;
+    token alone in their step (batching moves logits) with the same number of compute
+    threads (``threads``: ggml's CPU attention splits one query's cells across its threads
+    past a few hundred cells, so a 2-thread prefill and a 1-thread decode of SmolLM2 differ
+    by 0.05-0.37 at 300-3,500 tokens; the same count gives 0) and the backend restores this
+    state bit for bit
+    (``exact``); ``tolerance`` for the same engine otherwise;
     ``cross_tolerance`` for any other pair.
     """
 
@@ -118,22 +125,26 @@ class CanaryPolicy:
             return self.cross_tolerance
         return self.exact_tolerance if exact else self.tolerance
 
-    def make(self, logits, engine: str, alone: bool = False) -> dict | None:
-        """The canary of a prefill (None when turned off); ``alone``: its token had its step to itself."""
-        return fingerprint(logits, self.top_k, engine, alone) if self.top_k > 0 else None
+    def make(self, logits, engine: str, alone: bool = False, threads: int | None = None) -> dict | None:
+        """The canary of a prefill (None when turned off); ``alone``: its token had its step to itself;
+        ``threads``: the compute threads that evaluated it, where they can change the numerics (CPU)."""
+        return fingerprint(logits, self.top_k, engine, alone, threads) if self.top_k > 0 else None
 
-    def check(self, sent: dict | None, logits, engine: str, exact: bool = False) -> dict:
+    def check(self, sent: dict | None, logits, engine: str, exact: bool = False, threads: int | None = None) -> dict:
         """Compare; the metrics to report, or ``CanaryMismatch`` when beyond tolerance.
 
         ``exact``: this side evaluated the token alone and its backend restores the state bit for
-        bit. A bundle without a canary (an older or canary-less prefill server) is reported as
-        ``canary: "absent"`` and passes: refusing it would only force a recompute.
+        bit; it holds only if the prefill side's canary says the same of itself, with the same
+        ``threads`` (a canary that names none, or another count, gets the same-engine
+        tolerance). A bundle without a canary (an older or canary-less prefill server) is
+        reported as ``canary: "absent"`` and passes: refusing it would only force a recompute.
         """
         if not sent:
             return {"canary": "absent"}
         started = time.perf_counter()
         top1, divergence = compare(sent, logits)
-        tolerance = self.tolerance_for(sent.get("engine"), engine, exact and bool(sent.get("alone")))
+        exact = exact and bool(sent.get("alone")) and sent.get("threads") == threads
+        tolerance = self.tolerance_for(sent.get("engine"), engine, exact)
         figures = {"canary": "passed" if divergence <= tolerance else "failed", "canary_top1_match": top1,
                    "canary_divergence": round(divergence, 6), "canary_tolerance": tolerance,
                    "canary_engines": f"{sent.get('engine')}->{engine}",

@@ -48,6 +48,12 @@ def _decode_job(received, sampling, pool, metrics, backend, cancelled):
         pool.give(buffer)
 
 
+def check_supported(sampling, backend) -> None:
+    """400 for a sampling option this server's backend would otherwise silently not honour."""
+    if sampling.ignore_eos and not backend.ignores_eos:
+        raise BadRequest(f"'ignore_eos' is not supported by the {backend.name} backend", field="ignore_eos")
+
+
 def vocabulary_size(backend) -> int | None:
     """The backend's vocabulary size, where its fingerprint or description gives one (``n_vocab``)."""
     for facts in (backend.fingerprint(), backend.describe()):
@@ -128,6 +134,7 @@ def create_app(config=None, backend=None) -> Flask:
         received_at = time.perf_counter()
         req = parse_decode(web.json_body(), web.request_limits())
         web.check_model(req.model)
+        check_supported(req.sampling, st.backend)
         if req.kv is not None:  # before anything else: an untrusted URL is never contacted
             trust.check_source(req.kv.url, settings.trusted_kv_sources)
         if req.tokens is not None:
@@ -178,6 +185,7 @@ def create_app(config=None, backend=None) -> Flask:
         received_at = time.perf_counter()
         req = parse_generate(web.json_body(), web.request_limits())
         web.check_model(req.model)
+        check_supported(req.sampling, st.backend)
         events = st.owner.stream(lambda backend, cancelled: backend.generate(req.prompt, req.sampling, cancelled))
         st.metrics.decode_only.inc()
         return run_events(events, received_at, {"handoff": "none", "kv_bytes": 0, "queue_time": round(events.queue_time, 6)},

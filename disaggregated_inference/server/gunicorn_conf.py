@@ -19,3 +19,24 @@ errorlog = "-"
 loglevel = os.environ.get("DISAGG_GUNICORN_LOG_LEVEL", "warning")
 proc_name = os.environ.get("DISAGG_PROC_NAME", "disagg-server")
 wsgi_app = "disaggregated_inference.server.wsgi:create_app()"
+
+
+def worker_exit(server, worker):
+    """The worker's last act (gunicorn calls it in the worker, as the worker's exit propagates): run
+    the exit handlers, which stop each model owner and free its model on its own thread, then end
+    the process without C++ static destructors. An MLX server has torch loaded (mlx-lm imports
+    transformers), whose destructors took seconds at exit and made the launcher's 15 s wait end in
+    SIGKILL. The exit status gunicorn's arbiter reads (boot and load errors) is kept."""
+    import atexit
+    import sys
+
+    leaving = sys.exc_info()[1]
+    code = leaving.code if isinstance(leaving, SystemExit) else (1 if leaving is not None else 0)
+    code = 0 if code is None else code if isinstance(code, int) else 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code & 0xFF)

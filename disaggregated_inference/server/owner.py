@@ -14,13 +14,21 @@ and leave between steps). Other backends (Ollama, which batches behind its own
 API) run each request to its end on one of ``slots`` worker threads.
 
 The owner thread also loads the model, so a server answers /health while loading.
+At interpreter exit (a worker told to stop) the owner is stopped and joined, so the
+model is freed on its own thread before the process finalizes: MLX aborts the process
+("terminate called without an active exception") when the thread that created its
+state is still running then, which turned every MLX server's SIGTERM into a
+SIGABRT and a gdb backtrace that the launcher's 15 s wait then had to SIGKILL.
 """
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Callable, Iterator
 
@@ -97,6 +105,7 @@ class ModelOwner:
         self.on_step: Callable[[int, int], None] = lambda sequences, tokens: None
         self._thread = threading.Thread(target=self._run, name="model-owner", daemon=True)
         self._thread.start()
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -182,6 +191,12 @@ class ModelOwner:
 
     def close(self) -> None:
         self._jobs.put(_STOP)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the owner thread and wait (up to ``timeout``) until it has closed the backend."""
+        self.close()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     # -- the owner thread ------------------------------------------------------------------------
 
@@ -301,6 +316,15 @@ class ModelOwner:
         task.job.reservation.release()
         if outcome is not None:
             task.job.out.put(outcome)
+
+
+def _shutdown_at_exit(ref) -> None:
+    owner = ref()
+    if owner is not None and owner._thread.is_alive():
+        owner.shutdown()
+        # the process is ending: spare it the final collection's walk over the model's objects
+        # (seconds for an MLX server)
+        gc.freeze()
 
 
 class _JobStream:

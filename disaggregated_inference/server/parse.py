@@ -187,6 +187,8 @@ def parse_sampling(body: dict, limits: Limits = DEFAULT_LIMITS) -> Sampling:
         raise BadRequest("'json_schema' must be a JSON schema object", field="json_schema")
     if schema is not None:
         check_schema(schema, "format" if fmt is not None else "json_schema", limits)
+        if body.get("ignore_eos") is True:  # a grammar ends the output with an end-of-generation token
+            raise BadRequest("'ignore_eos' cannot be combined with a JSON schema", field="ignore_eos")
     for i, seq in enumerate(stop):
         check_text(seq, "stop")
     return Sampling(
@@ -197,12 +199,13 @@ def parse_sampling(body: dict, limits: Limits = DEFAULT_LIMITS) -> Sampling:
         seed=_number(body, "seed", None, -(1 << 31), (1 << 32) - 1, integer=True),
         stop=tuple(stop),
         json_schema=schema,
+        ignore_eos=_typed(body, "ignore_eos", bool, False, what="a boolean"),
     )
 
 
 PROMPT_KEYS = {"prompt", "messages", "raw", "system", "model"}
 SAMPLING_KEYS = {"max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                 "json_schema", "format", "stream"}
+                 "json_schema", "format", "stream", "ignore_eos"}
 
 
 def parse_prefill(body, limits: Limits = DEFAULT_LIMITS, max_lease_seconds: float = 3600.0) -> PrefillRequest:
