@@ -100,8 +100,7 @@ class CanaryPolicy:
     threads (``threads``: ggml's CPU attention splits one query's cells across its threads
     past a few hundred cells, so a 2-thread prefill and a 1-thread decode of SmolLM2 differ
     by 0.05-0.37 at 300-3,500 tokens; the same count gives 0) and the backend restores this
-    state bit for bit
-    (``exact``); ``tolerance`` for the same engine otherwise;
+    state bit for bit (``exact``); ``tolerance`` for the same engine otherwise;
     ``cross_tolerance`` for any other pair.
     """
 

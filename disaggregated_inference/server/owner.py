@@ -23,7 +23,6 @@ SIGABRT and a gdb backtrace that the launcher's 15 s wait then had to SIGKILL.
 from __future__ import annotations
 
 import atexit
-import gc
 import logging
 import queue
 import threading
@@ -322,9 +321,6 @@ def _shutdown_at_exit(ref) -> None:
     owner = ref()
     if owner is not None and owner._thread.is_alive():
         owner.shutdown()
-        # the process is ending: spare it the final collection's walk over the model's objects
-        # (seconds for an MLX server)
-        gc.freeze()
 
 
 class _JobStream:
