@@ -465,6 +465,8 @@ class DisaggregatedClient:
                                 else _end_to_end_ttft(started, answer["decode_sent_at"], dec.get("ttft"))),
             "decode_connect_retries": len(answer.get("decode_connect_retries", ())),
             "prompt_tokens_recomputed": dec.get("prompt_tokens_recomputed"),
+            # prompt tokens whose KV the evaluating server's slot already held (its prefix cache)
+            "prompt_tokens_cached": (pre if answer["prefill"] else dec).get("prompt_tokens_cached"),
             "finish_reason": answer["decode"].get("finish_reason"),
         }
         # the handoff's canary (kv/canary.py): what the decode side found, and what making it cost

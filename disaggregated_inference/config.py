@@ -34,6 +34,7 @@ MODEL_KEYS = {
     "n_gpu_layers": int,
     "flash_attn": bool,
     "parallel": int,
+    "prefix_cache": bool,    # llama_cpp: reuse a free slot's KV for a prompt sharing its start (default true)
     "type_k": str,
     "type_v": str,
     "ollama_host": str,

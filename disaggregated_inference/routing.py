@@ -121,8 +121,9 @@ class CostModel:
         transfer = dec.get("kv_transfer_time") or 0.0
         copy = sum(float(x or 0.0) for x in (pre.get("kv_export_time"), pre.get("kv_checksum_time"),
                                             dec.get("kv_load_time")))
-        if kv_bytes and evaluated:
-            self._avg("kv_bytes_per_token", model).add(kv_bytes / evaluated)
+        held = max(0, (pre.get("prompt_tokens") or 0) - 1) or evaluated  # the state covers cached tokens too
+        if kv_bytes and held > 0:
+            self._avg("kv_bytes_per_token", model).add(kv_bytes / held)
         if kv_bytes and transfer > 0:
             self._avg("link", prefill, decode).add(kv_bytes / transfer)
         if kv_bytes and copy > 0:
@@ -132,7 +133,8 @@ class CostModel:
             self._avg("fixed", HANDOFF).add(max(0.0, ttft - parts))
 
     def _observe_local(self, decode, dec, ttft) -> None:
-        tokens = dec.get("prompt_tokens") or 0
+        # the tokens it evaluated (a prefix cache hit evaluates fewer than the prompt holds)
+        tokens = dec.get("prompt_tokens_recomputed") or dec.get("prompt_tokens") or 0
         took = dec.get("prompt_eval_time") or 0.0
         if tokens >= MIN_TOKENS_FOR_SPEED and took > 0:
             self._avg("local_speed", decode).add(tokens / took)

@@ -80,7 +80,7 @@ def test_busy_slots_stay_dense_and_a_step_lists_its_sequences_in_id_order(backen
     tokens = list(range(10, 30))
     seqs = []
     try:
-        seqs = [backend._acquire() for _ in range(4)]
+        seqs = [backend._acquire()[0] for _ in range(4)]
         evals = [Eval(s, tokens[:1], 0) for s in (3, 1)] + [Eval(2, tokens, 0, logits=False), Eval(0, tokens[:1], 0)]
         n = backend.evaluate(evals)
         batch = backend._batch
@@ -102,7 +102,7 @@ def test_batching_moves_logits_within_the_stated_tolerance_and_never_mixes_seque
         with backend.sequence() as seq:
             backend.logits(seq, tokens[:-1])
             alone.append(backend.logits(seq, tokens[-1:], len(tokens) - 1))
-    seqs = [backend._acquire() for _ in prompts]
+    seqs = [backend._acquire()[0] for _ in prompts]
     try:
         for seq, tokens in zip(seqs, prompts):
             backend.logits(seq, tokens[:-1])

@@ -40,6 +40,19 @@ def test_chat_completion_goes_through_the_kv_handoff(oai, cluster):
     assert raw.headers["X-Disagg-Prompt-Tokens-Recomputed"].isdigit()
 
 
+def test_a_repeated_system_prompt_is_served_from_the_prefix_cache(oai):
+    system = ("You are a teaching assistant. Grade business-analytics notebooks on data loading, cleaning, "
+              "grouped summaries, labelled charts and a conclusion that answers the question. ") * 4
+    usage = [oai.chat.completions.create(
+        model="qwen", max_tokens=4, temperature=0,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}]).usage
+        for question in ("Is a bar chart right for revenue by region?", "Should missing prices be dropped?")]
+    assert usage[0].prompt_tokens > 128
+    # the second shares the system prompt: the prefill server's slot still held its KV
+    assert usage[1].prompt_tokens_details.cached_tokens >= 64
+    assert usage[1].prompt_tokens_details.cached_tokens < usage[1].prompt_tokens
+
+
 def test_completion(oai):
     resp = oai.completions.create(model="gpt-oss", prompt="The capital of France is", max_tokens=6, temperature=0)
     assert resp.object == "text_completion"

@@ -36,6 +36,7 @@ class ModelSettings:
     n_gpu_layers: int = 0
     flash_attn: bool = True
     parallel: int = 4  # requests served at once (llama.cpp: sequences of one context, each its own KV stream)
+    prefix_cache: bool = True  # llama.cpp: a free slot keeps its last prompt's KV for a prompt that starts the same
     type_k: str = "f16"
     type_v: str = "f16"
     ollama_host: str | None = None

@@ -17,6 +17,11 @@ chunk of each prompt being evaluated (prefill, decode-only, recompute), so a
 long prompt never freezes the other streams. Requests join and leave between
 steps; sampling is per sequence (a ``llama_sampler`` chain: grammar, top-k,
 top-p, temperature, seeded distribution, or greedy).
+
+**Prefix cache.** A slot that finishes keeps its prompt's KV while it is free;
+a request whose prompt starts with the same tokens (a shared system prompt, a
+rubric, an earlier chat turn) takes that slot and evaluates only the rest, as
+llama.cpp's server does with ``cache_prompt``. See ``_acquire``.
 """
 from __future__ import annotations
 
@@ -38,6 +43,13 @@ from ..kv.bundle import KIND_LLAMA_SEQ_STATE, KIND_TOKEN_IDS
 from ..errors import BadRequest, BundleError, FingerprintMismatch
 from .gguf import resolve_gguf
 from .base import Backend, Eval, Event, Prefilled, Prompt, Received, Sampling, check_fits, gguf_prompt_tokens, rate
+
+# A reused prefix counts only from this many tokens on (below it the lowest free slot is worth more:
+# see ``evaluate``). ggml's CPU matmul takes another path for fewer than 64 rows: a prompt's last rows
+# computed that way after a reused prefix came out up to 0.96 apart in the logits (SmolLM2, 17-63 rows;
+# bit-identical at 64-200). ``_aligned_reuse`` therefore keeps every row in a chunk of the same kind
+# as without the cache, and the KV and logits come out bit for bit the same (tests/test_prefix_cache.py).
+PREFIX_MIN_TOKENS = 64
 
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 
@@ -73,6 +85,8 @@ class LlamaCppBackend(Backend):
         self._eog: list[int] | None = None
         self._threads: int | None = None  # CPU compute threads, named in canaries (kv/canary.py)
         self._free: list[int] = []
+        self._cached: dict[int, list[int]] = {}  # free slot -> the token ids its KV holds, from position 0
+        self._prefix_cache = False
         self._state_bytes_per_token = 0.0  # of the last export: sizes the next export buffer in advance
         self._batch_capacity = 0
 
@@ -114,6 +128,7 @@ class LlamaCppBackend(Backend):
         self.ctx = _internals.LlamaContext(model=self.model, params=cp, verbose=False)
         self._batch = llama_cpp.llama_batch_init(self._batch_capacity, 0, 1)
         self._free = list(range(self.slots - 1, -1, -1))
+        self._cached = {}
         meta = self.model.metadata()
         template = meta.get("tokenizer.chat_template")
         self._template_source = "gguf" if template else None
@@ -146,6 +161,8 @@ class LlamaCppBackend(Backend):
             "flash_attn": bool(s.flash_attn),
             "n_ctx": s.n_ctx,
         }
+        # not on sliding-window models: their cache drops the cells a prefix's later tokens would need
+        self._prefix_cache = bool(s.prefix_cache) and not self._fingerprint["n_swa"]
         progress(f"loaded in {time.perf_counter() - started:.1f}s")
 
     def fingerprint(self) -> dict:
@@ -169,7 +186,7 @@ class LlamaCppBackend(Backend):
     def describe(self) -> dict:
         return {"model_file": str(self.model_path), "n_ctx": self.settings.n_ctx, "parallel": self.slots,
                 "arch": self._fingerprint.get("arch"), "n_swa": self._fingerprint.get("n_swa"),
-                "n_vocab": self._fingerprint.get("n_vocab"),
+                "n_vocab": self._fingerprint.get("n_vocab"), "prefix_cache": self._prefix_cache,
                 "library_version": self._fingerprint.get("library_version"),
                 "chat_template": self._template_source}
 
@@ -195,27 +212,61 @@ class LlamaCppBackend(Backend):
 
     # -- slots and the batch ---------------------------------------------------------------------
 
-    def _acquire(self) -> int:
-        """The lowest free sequence (slot), so that busy sequences stay dense from 0 (see ``evaluate``).
-        The owner admits no more requests than there are slots."""
-        if not self._free:
-            raise RuntimeError("no free slot: the owner admitted more requests than there are slots")
-        return self._free.pop()  # kept in descending order
+    def _acquire(self, tokens: list[int] | None = None) -> tuple[int, int]:
+        """A free sequence (slot) for a prompt of ``tokens``, and how many of them its KV already holds.
 
-    def _release(self, seq: int) -> None:
+        The free slot whose cached prompt shares the longest start with ``tokens`` when that reuses
+        ``PREFIX_MIN_TOKENS`` or more; otherwise the lowest free slot, so that busy sequences stay dense
+        from 0 (see ``evaluate``). The reuse is cut so that the rest's chunks compute their rows as
+        the cache-less evaluation does (``_aligned_reuse``). Cells past the reused prefix are dropped. The owner admits no more requests than
+        there are slots."""
         import llama_cpp
 
-        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx.ctx), seq, -1, -1)
+        if not self._free:
+            raise RuntimeError("no free slot: the owner admitted more requests than there are slots")
+        seq, reuse = self._free[-1], 0  # kept in descending order
+        if tokens and self._prefix_cache and self._cached:
+            limit = len(tokens) - 1 - PREFIX_MIN_TOKENS  # the prompt's last token is always evaluated
+            best, shared = max(((s, _shared_start(self._cached.get(s, ()), tokens)) for s in self._free),
+                               key=lambda c: (c[1], -c[0]))
+            reuse = _aligned_reuse(min(shared, limit), len(tokens) - 1, self.settings.n_batch)
+            if reuse >= PREFIX_MIN_TOKENS:
+                seq = best
+            else:
+                reuse = 0
+        self._free.remove(seq)
+        if len(self._cached.pop(seq, ())) > reuse:
+            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx.ctx), seq, reuse, -1)
+        return seq, reuse
+
+    def _release(self, seq: int, tokens: list[int] | None = None) -> None:
+        """Free ``seq``. With the prompt's ``tokens`` (a request that ended normally) and the prefix
+        cache on, the slot keeps the KV of the prompt tokens it evaluated (what it generated is dropped:
+        only the prompt's ids are known to match a later prompt); otherwise all of it is dropped."""
+        import llama_cpp
+
+        mem = llama_cpp.llama_get_memory(self.ctx.ctx)
+        if tokens and self._prefix_cache:
+            held = min(len(tokens), llama_cpp.llama_memory_seq_pos_max(mem, seq) + 1)
+            llama_cpp.llama_memory_seq_rm(mem, seq, held, -1)
+            if held > 0:
+                self._cached[seq] = list(tokens[:held])
+        else:
+            llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
         self._free.append(seq)
         self._free.sort(reverse=True)
+
+    def cached_prefixes(self) -> dict[int, int]:
+        """Free slot -> how many prompt tokens of KV it holds for reuse (``/health``, tests)."""
+        return {seq: len(held) for seq, held in sorted(self._cached.items())}
 
     def evaluate(self, evals: list[Eval]) -> int:
         """One step: one ``llama_decode`` over the pending requests; returns the batch's token count.
 
         Single tokens (generating sequences) all go in; then each prompt's next
-        chunk of ``n_batch`` tokens (chunk boundaries fixed from the prompt's
-        start, so its numerics never depend on what ran beside it) while room is
-        left. An ``Eval`` whose tokens are all in gets ``row``.
+        chunk of up to ``n_batch`` tokens (chunk boundaries at multiples of
+        ``n_batch`` from position 0, so a prompt's numerics depend neither on what
+        ran beside it nor on a cached prefix) while room is left. An ``Eval`` whose tokens are all in gets ``row``.
 
         The batch lists its sequences in ascending id order. With a KV stream per
         slot, llama.cpp splits a batch into ubatches with ``split_equal(...,
@@ -232,7 +283,9 @@ class LlamaCppBackend(Backend):
         chunk = self.settings.n_batch
         chosen, used = [], 0
         for ev in sorted(evals, key=lambda e: (len(e.tokens) - e.done, e.seq)):  # singles first, then chunks
-            take = min(chunk, len(ev.tokens) - ev.done)
+            # chunks end at multiples of n_batch counted from position 0, wherever the Eval starts (a prompt
+            # after a cached prefix is cut where the whole prompt would be: see _aligned_reuse)
+            take = min(chunk - (ev.pos + ev.done) % chunk, len(ev.tokens) - ev.done)
             if take <= room - used:
                 chosen.append((ev, take))
                 used += take
@@ -279,7 +332,7 @@ class LlamaCppBackend(Backend):
     @contextlib.contextmanager
     def sequence(self):
         """A slot of this context for in-process use; its cells are freed afterwards."""
-        seq = self._acquire()
+        seq, _ = self._acquire()
         try:
             yield seq
         finally:
@@ -310,10 +363,10 @@ class LlamaCppBackend(Backend):
         ptr = llama_cpp.llama_get_logits_ith(self.ctx.ctx, row)
         return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab(),))
 
-    def _evaluate_all_but_last(self, seq: int, tokens: list[int]):
-        """Generator: evaluate ``tokens[:-1]`` into ``seq``; returns its own time (queue time excluded)."""
-        if len(tokens) > 1:
-            yield Eval(seq, tokens[:-1], 0, logits=False)
+    def _evaluate_all_but_last(self, seq: int, tokens: list[int], start: int = 0):
+        """Generator: evaluate ``tokens[start:-1]`` into ``seq`` (which holds ``tokens[:start]``)."""
+        if len(tokens) - 1 > start:
+            yield Eval(seq, tokens[start:-1], start, logits=False)
 
     # -- the handoff -----------------------------------------------------------------------------
 
@@ -407,11 +460,12 @@ class LlamaCppBackend(Backend):
         tokens, stops = self.tokenize(prompt)
         tokenize_time = time.perf_counter() - t0
         self._check_fits(len(tokens))
-        seq = self._acquire()
+        seq, cached = self._acquire(tokens)
+        keep = None
         try:
             prepared = self._prepare_buffer(len(tokens) - 1)
             t1 = time.perf_counter()
-            yield from self._evaluate_all_but_last(seq, tokens)
+            yield from self._evaluate_all_but_last(seq, tokens, cached)
             prefill_time = time.perf_counter() - t1
             buffer = prepared()
             t2 = time.perf_counter()
@@ -428,17 +482,18 @@ class LlamaCppBackend(Backend):
                 canary = self.canary.make(self._row_logits(ev.row), self.engine, alone=ev.alone,
                                           threads=self._threads)
             canary_time = time.perf_counter() - t3
+            keep = tokens
         finally:
-            self._release(seq)
+            self._release(seq, keep)
         self._state_bytes_per_token = len(payload) / max(1, len(tokens) - 1)
-        evaluated = len(tokens) - 1
+        evaluated = len(tokens) - 1 - cached
         meta = {"stop": list(stops)}
         if canary is not None:
             meta["canary"] = canary
         return Prefilled(
             kind=KIND_LLAMA_SEQ_STATE, tokens=tokens, payload=payload, fingerprint=self.fingerprint(), meta=meta,
             metrics={"prompt_tokens": len(tokens), "prompt_tokens_evaluated": evaluated,
-                     "tokenize_time": round(tokenize_time, 6), "prefill_time": round(prefill_time, 6),
+                     "prompt_tokens_cached": cached, "tokenize_time": round(tokenize_time, 6), "prefill_time": round(prefill_time, 6),
                      "prefill_speed": rate(evaluated, prefill_time), "kv_export_time": round(export_time, 6),
                      "kv_bytes": len(payload), "canary_ms": round(canary_time * 1000, 3) if canary else None},
         )
@@ -448,7 +503,9 @@ class LlamaCppBackend(Backend):
         self._check_fits(len(received.tokens))
         stops = tuple(received.meta.get("stop", ()))
         sampler = self._sampler(sampling)
-        seq = self._acquire()
+        # an imported state replaces the slot's cells: the lowest free slot; recomputed ids may reuse a prefix
+        seq, cached = self._acquire(received.tokens if received.kind == KIND_TOKEN_IDS else None)
+        keep = None
         try:
             canary = None
             if received.kind == KIND_LLAMA_SEQ_STATE:
@@ -456,30 +513,34 @@ class LlamaCppBackend(Backend):
                 method, recomputed = "kv_handoff", 0
                 canary = received.meta.get("canary") or {}  # {}: the bundle has none (reported as absent)
             elif received.kind == KIND_TOKEN_IDS:  # only ids arrived: recompute the prompt here
-                load_time, method, recomputed = 0.0, "token_ids_recompute", len(received.tokens) - 1
-                yield from self._evaluate_all_but_last(seq, received.tokens)
+                load_time, method, recomputed = 0.0, "token_ids_recompute", len(received.tokens) - 1 - cached
+                yield from self._evaluate_all_but_last(seq, received.tokens, cached)
             else:
                 raise FingerprintMismatch(f"this llama.cpp server cannot continue a {received.kind!r} bundle",
                                           field="kv")
             yield from self._continue(seq, received.tokens, sampler, sampling, stops, cancelled=cancelled,
                                       started=started, recomputed=recomputed, canary=canary,
-                                      extra={"kv_load_time": round(load_time, 6), "method": method})
+                                      extra={"kv_load_time": round(load_time, 6), "method": method,
+                                             "prompt_tokens_cached": cached})
+            keep = received.tokens
         finally:
-            self._release(seq)
+            self._release(seq, keep)
 
     def generate(self, prompt: Prompt, sampling: Sampling, cancelled) -> Iterator:
         started = time.perf_counter()
         tokens, stops = self.tokenize(prompt)
         self._check_fits(len(tokens))
         sampler = self._sampler(sampling)
-        seq = self._acquire()
+        seq, cached = self._acquire(tokens)
+        keep = None
         try:
-            yield from self._evaluate_all_but_last(seq, tokens)
+            yield from self._evaluate_all_but_last(seq, tokens, cached)
             yield from self._continue(seq, tokens, sampler, sampling, stops, cancelled=cancelled, started=started,
-                                      recomputed=len(tokens) - 1,
-                                      extra={"kv_load_time": 0.0, "method": "decode_only"})
+                                      recomputed=len(tokens) - 1 - cached,
+                                      extra={"kv_load_time": 0.0, "method": "decode_only", "prompt_tokens_cached": cached})
+            keep = tokens
         finally:
-            self._release(seq)
+            self._release(seq, keep)
 
     # -- the token loop --------------------------------------------------------------------------
 
@@ -588,5 +649,34 @@ class LlamaCppBackend(Backend):
         }
         if extra["method"] != "kv_handoff":  # the prompt was computed here: say how long it took
             metrics["prompt_eval_time"] = round(t_gen - started, 6)
-            metrics["prompt_eval_speed"] = rate(len(tokens), t_gen - started)
+            metrics["prompt_eval_speed"] = rate(recomputed, t_gen - started)  # the tokens evaluated here
         yield Event(metrics=metrics)
+
+
+def _shared_start(a, b) -> int:
+    """How many leading items ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _aligned_reuse(reuse: int, m: int, chunk: int) -> int:
+    """How much of a shared start of ``reuse`` tokens to reuse for a prompt of ``m`` tokens to evaluate
+    (all but its last) in chunks of ``chunk``, so that every row left is computed as without the cache.
+
+    Without the cache the rows lie in chunks ``[0, chunk), [chunk, 2 chunk), ...``: full ones, and a
+    last one that may be short. ``evaluate`` keeps those boundaries after a reused prefix, so only the
+    first chunk of the rest differs, ``[reuse, next boundary)``; it must have ``PREFIX_MIN_TOKENS``
+    rows or more when its rows were in a long chunk, and a short last chunk (fewer than that) must be
+    evaluated whole, as it was. 0 when too little is left to reuse."""
+    if chunk < PREFIX_MIN_TOKENS:
+        return 0
+    last = ((m - 1) // chunk) * chunk  # where the cache-less evaluation's last chunk starts
+    if m - last < PREFIX_MIN_TOKENS:  # a short last chunk: evaluated whole
+        reuse = min(reuse, last)
+    end = min(m, reuse - reuse % chunk + chunk)  # the first chunk of the rest ends here
+    if reuse % chunk and end - reuse < PREFIX_MIN_TOKENS:
+        reuse = end - PREFIX_MIN_TOKENS
+    return reuse if reuse >= PREFIX_MIN_TOKENS else 0

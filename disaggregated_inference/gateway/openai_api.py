@@ -27,9 +27,12 @@ def _finish_reason(reason) -> str:
 
 
 def _usage(metrics: dict) -> dict:
-    return {"prompt_tokens": metrics.get("prompt_tokens") or 0,
-            "completion_tokens": metrics.get("completion_tokens") or 0,
-            "total_tokens": metrics.get("total_tokens") or 0}
+    usage = {"prompt_tokens": metrics.get("prompt_tokens") or 0,
+             "completion_tokens": metrics.get("completion_tokens") or 0,
+             "total_tokens": metrics.get("total_tokens") or 0}
+    if metrics.get("prompt_tokens_cached") is not None:  # OpenAI's field for prompt tokens served from a cache
+        usage["prompt_tokens_details"] = {"cached_tokens": metrics["prompt_tokens_cached"]}
+    return usage
 
 
 def _json(body: dict, headers: dict) -> Response:

@@ -73,6 +73,8 @@ def create_app(config=None, backend=None) -> Flask:
         metrics["queue_time"] = round(reservation.waited, 6)
         metrics["server_time"] = round(time.perf_counter() - started, 6)
         st.metrics.prefill_seconds.observe(metrics.get("prefill_time", 0.0))
+        if metrics.get("prompt_tokens_cached"):
+            st.metrics.prompt_tokens_cached.inc(metrics["prompt_tokens_cached"])
         if metrics.get("prefill_speed"):
             st.metrics.prefill_speed.observe(metrics["prefill_speed"])
             st.metrics.observe_prompt_speed(metrics["prefill_speed"])
