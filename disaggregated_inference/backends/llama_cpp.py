@@ -218,8 +218,8 @@ class LlamaCppBackend(Backend):
         The free slot whose cached prompt shares the longest start with ``tokens`` when that reuses
         ``PREFIX_MIN_TOKENS`` or more; otherwise the lowest free slot, so that busy sequences stay dense
         from 0 (see ``evaluate``). The reuse is cut so that the rest's chunks compute their rows as
-        the cache-less evaluation does (``_aligned_reuse``). Cells past the reused prefix are dropped. The owner admits no more requests than
-        there are slots."""
+        the cache-less evaluation does (``_aligned_reuse``). Cells past the reused prefix are dropped.
+        The owner admits no more requests than there are slots."""
         import llama_cpp
 
         if not self._free:
@@ -229,11 +229,9 @@ class LlamaCppBackend(Backend):
             limit = len(tokens) - 1 - PREFIX_MIN_TOKENS  # the prompt's last token is always evaluated
             best, shared = max(((s, _shared_start(self._cached.get(s, ()), tokens)) for s in self._free),
                                key=lambda c: (c[1], -c[0]))
-            reuse = _aligned_reuse(min(shared, limit), len(tokens) - 1, self.settings.n_batch)
-            if reuse >= PREFIX_MIN_TOKENS:
+            reuse = _aligned_reuse(min(shared, limit), len(tokens) - 1, self.settings.n_batch)  # 0: none
+            if reuse:
                 seq = best
-            else:
-                reuse = 0
         self._free.remove(seq)
         if len(self._cached.pop(seq, ())) > reuse:
             llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx.ctx), seq, reuse, -1)
@@ -257,7 +255,7 @@ class LlamaCppBackend(Backend):
         self._free.sort(reverse=True)
 
     def cached_prefixes(self) -> dict[int, int]:
-        """Free slot -> how many prompt tokens of KV it holds for reuse (``/health``, tests)."""
+        """Free slot -> how many prompt tokens of KV it holds for reuse (tests, diagnostics)."""
         return {seq: len(held) for seq, held in sorted(self._cached.items())}
 
     def evaluate(self, evals: list[Eval]) -> int:
@@ -266,7 +264,8 @@ class LlamaCppBackend(Backend):
         Single tokens (generating sequences) all go in; then each prompt's next
         chunk of up to ``n_batch`` tokens (chunk boundaries at multiples of
         ``n_batch`` from position 0, so a prompt's numerics depend neither on what
-        ran beside it nor on a cached prefix) while room is left. An ``Eval`` whose tokens are all in gets ``row``.
+        ran beside it nor on a cached prefix) while room is left. An ``Eval``
+        whose tokens are all in gets ``row``.
 
         The batch lists its sequences in ascending id order. With a KV stream per
         slot, llama.cpp splits a batch into ubatches with ``split_equal(...,
@@ -493,7 +492,8 @@ class LlamaCppBackend(Backend):
         return Prefilled(
             kind=KIND_LLAMA_SEQ_STATE, tokens=tokens, payload=payload, fingerprint=self.fingerprint(), meta=meta,
             metrics={"prompt_tokens": len(tokens), "prompt_tokens_evaluated": evaluated,
-                     "prompt_tokens_cached": cached, "tokenize_time": round(tokenize_time, 6), "prefill_time": round(prefill_time, 6),
+                     "prompt_tokens_cached": cached, "tokenize_time": round(tokenize_time, 6),
+                     "prefill_time": round(prefill_time, 6),
                      "prefill_speed": rate(evaluated, prefill_time), "kv_export_time": round(export_time, 6),
                      "kv_bytes": len(payload), "canary_ms": round(canary_time * 1000, 3) if canary else None},
         )
@@ -537,7 +537,8 @@ class LlamaCppBackend(Backend):
             yield from self._evaluate_all_but_last(seq, tokens, cached)
             yield from self._continue(seq, tokens, sampler, sampling, stops, cancelled=cancelled, started=started,
                                       recomputed=len(tokens) - 1 - cached,
-                                      extra={"kv_load_time": 0.0, "method": "decode_only", "prompt_tokens_cached": cached})
+                                      extra={"kv_load_time": 0.0, "method": "decode_only",
+                                             "prompt_tokens_cached": cached})
             keep = tokens
         finally:
             self._release(seq, keep)
