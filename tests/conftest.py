@@ -1,8 +1,16 @@
-"""Shared fixtures: a real local cluster of gunicorn servers on free ports.
+"""Shared fixtures: real local clusters of gunicorn servers on free ports, one per session.
 
-The cluster runs the two packaged models (SmolLM2 as "qwen", Gemma 3 270M as
-"gpt-oss"), one prefill and one decode server each, exactly as
-``config_current.json`` does, but on ports the OS picks.
+Two clusters, both shaped exactly as ``config_current.json`` (one prefill and one
+decode server for each of "qwen" and "gpt-oss"), on ports the OS picks:
+
+- ``tiny_cluster`` runs generated two-layer llama models (``tests/tiny_models.py``,
+  SmolLM2's real tokenizer and chat template, random weights; a step takes about a
+  millisecond). Tests of the protocol, trust, limits, failover, leases, backpressure,
+  the gateway and the ops tools use it: what they check does not depend on what a
+  model answers, and every handoff through it is still a real llama.cpp KV handoff.
+- ``cluster`` runs the two packaged models (SmolLM2 as "qwen", Gemma 3 270M as
+  "gpt-oss") for what needs their real answers: greedy-text equality of a handoff,
+  the canary's thresholds, the grading calibration.
 """
 from __future__ import annotations
 
@@ -16,6 +24,9 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 THREADS = 2  # greedy output depends on the thread count: tests and servers use the same
+# The tiny models compute on one thread: a step is too small to split, and two OpenMP threads that spin
+# at every barrier on a shared two-core machine made a 64-token answer take seconds instead of milliseconds.
+TINY_THREADS = 1
 
 
 def cluster_config_dict(**server) -> dict:
@@ -24,6 +35,26 @@ def cluster_config_dict(**server) -> dict:
         model["n_threads"] = THREADS
     data["client"]["health_check_interval"] = 0  # tests drive health checks themselves
     data["server"].update(server)
+    return data
+
+
+def tiny_model_settings(other: bool = False) -> dict:
+    """Model settings of a generated tiny llama; ``other`` gives another model (another fingerprint, and a
+    third layer, so that its KV does not fit the first one's layout either: as with the two real models)."""
+    from dataclasses import replace
+
+    from .tiny_models import LLAMA, tiny_gguf
+
+    shape = replace(LLAMA, n_layer=3, seed=1) if other else LLAMA
+    return {"backend": "llama_cpp", "model": str(tiny_gguf(shape)), "n_threads": TINY_THREADS, "n_ctx": 4096,
+            "flash_attn": True}
+
+
+def tiny_config_dict(**server) -> dict:
+    """``cluster_config_dict`` with both models generated tiny llamas ("qwen" the first, "gpt-oss" the other)."""
+    data = cluster_config_dict(**server)
+    data["models"]["qwen"].update(tiny_model_settings())
+    data["models"]["gpt-oss"].update(tiny_model_settings(other=True))
     return data
 
 
@@ -37,6 +68,39 @@ def cluster(tmp_path_factory, bytes_server):
     with LocalCluster(config, free_ports=True, log_dir=logs) as running:
         running.wait_healthy(timeout=600)
         yield running
+
+
+@pytest.fixture(scope="session")
+def tiny_cluster(tmp_path_factory, bytes_server):
+    from disaggregated_inference.ops.cluster import LocalCluster
+
+    config = tiny_config_dict(kv_sources=[bytes_server.address])
+    with LocalCluster(config, free_ports=True, log_dir=tmp_path_factory.mktemp("tiny-server-logs")) as running:
+        running.wait_healthy(timeout=120)
+        yield running
+
+
+@pytest.fixture(scope="session")
+def tiny_urls(tiny_cluster) -> dict:
+    return {p.entry.name: p.url for p in tiny_cluster.processes}
+
+
+@pytest.fixture(scope="session")
+def tiny_prefill(tiny_urls):
+    return tiny_urls["local-prefill-qwen"]
+
+
+@pytest.fixture(scope="session")
+def tiny_decode(tiny_urls):
+    return tiny_urls["local-decode-qwen"]
+
+
+@pytest.fixture(scope="session")
+def tiny_gateway(tiny_cluster) -> str:
+    """The OpenAI/Ollama gateway (a real gunicorn process) in front of ``tiny_cluster``: its base URL."""
+    proc = tiny_cluster.gateway or tiny_cluster.start_gateway()
+    tiny_cluster.wait_healthy(timeout=60, names=["gateway"])
+    return proc.url
 
 
 @pytest.fixture(scope="session")
