@@ -206,7 +206,8 @@ def test_a_real_kv_handoff_on_the_gguf_ollama_pulled(store, gguf, tmp_path):
 
     _, hexdigest = gguf
     config = {
-        "models": {"smol": {"backend": "llama_cpp", "model": "ollama:smollm2-test", "n_ctx": 2048, "n_threads": TINY_THREADS}},
+        "models": {"smol": {"backend": "llama_cpp", "model": "ollama:smollm2-test", "n_ctx": 2048,
+                            "n_threads": TINY_THREADS}},
         "prefill_servers": [{"name": "ollama-prefill", "host": "127.0.0.1", "port": 1, "model": "smol"}],
         "decode_servers": [{"name": "ollama-decode", "host": "127.0.0.1", "port": 2, "model": "smol"}],
     }
