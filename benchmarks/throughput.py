@@ -316,7 +316,7 @@ def cpu_use(server_cpu: float, client_cpu: float, wall: float, tok_s: float) -> 
 
 
 def engine_rounds(rounds: int, slots: int, threads: int, say, tiny: bool = False, bare_sizes=(1, 4, 8, 16),
-                  max_new: int = 96) -> tuple[dict, list[dict]]:
+                  max_new: int = 96, bare_steps: int = 96) -> tuple[dict, list[dict]]:
     """``bare`` (every size once), then ``rounds`` rounds of bare[8], ``owner_8`` and ``server_8``
     back to back, so that each round's ratios compare figures taken within a minute of each other on a
     machine whose speed drifts. ``server_8`` runs on a decode server with the machine's cores to
@@ -328,7 +328,9 @@ def engine_rounds(rounds: int, slots: int, threads: int, say, tiny: bool = False
     data["models"] = {"qwen": data["models"]["qwen"]}
     data["prefill_servers"] = [s for s in data["prefill_servers"] if s["model"] == "qwen"]
     data["decode_servers"] = [s for s in data["decode_servers"] if s["model"] == "qwen"]
-    data["server"]["openmp_wait"] = "spin"
+    # --quick: threads that sleep at barriers, so that a machine shared with other work (CI, a busy
+    # laptop) does not stretch seconds into minutes; its figures are not measurements
+    data["server"]["openmp_wait"] = "sleep" if tiny else "spin"
     with LocalCluster(data, free_ports=True) as cluster:
         for process in cluster.processes:
             prioritise(process.proc.pid)
@@ -336,11 +338,11 @@ def engine_rounds(rounds: int, slots: int, threads: int, say, tiny: bool = False
         decode = next(p.url for p in cluster.processes if p.entry.name == "local-decode-qwen")
         server_aggregate(decode, 8, 16)  # warm up
         say("bare llama.cpp loop ...")
-        bare = bare_loop(threads, sizes=bare_sizes, model=model)
+        bare = bare_loop(threads, sizes=bare_sizes, steps=bare_steps, model=model)
         say(f"bare loop tok/s by sequences: {bare}")
         rows = []
         for r in range(rounds):
-            bare_8 = bare[8] if r == 0 else bare_loop(threads, sizes=(8,), model=model)[8]
+            bare_8 = bare[8] if r == 0 else bare_loop(threads, sizes=(8,), steps=bare_steps, model=model)[8]
             owner_8 = owner_aggregate(threads, max_new=max_new, model=model)
             server_8 = server_aggregate(decode, 8, max_new)
             rows.append({"bare_8_tok_s": bare_8, "owner_8": owner_8, "server_8": server_8,
@@ -378,16 +380,19 @@ def main(argv=None) -> int:
     serving_metrics.add_slo_argument(parser)
     quick.add_argument(parser)
     args = parser.parse_args(argv)
-    quick.apply(parser, args, levels=[1, 8], models=["qwen"], max_tokens=16, rounds=1, engine_tokens=256,
+    quick.apply(parser, args, levels=[1, 8], models=["qwen"], max_tokens=16, rounds=1, engine_tokens=128,
                 detailed=True)
     slos = dict(args.slo)
+    if args.quick:  # the in-process loops' OpenMP threads sleep at barriers too (see engine_rounds)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     global AUTOGROUP_NICE
     AUTOGROUP_NICE = args.autogroup_nice
     prioritise()
 
     say = quick.say
-    bare_sizes = (1, 8) if args.quick else (1, 4, 8, 16)
-    bare, rounds = engine_rounds(args.rounds, args.slots, args.threads, say, args.quick, bare_sizes, args.engine_tokens)
+    bare_sizes, bare_steps = ((1, 8), 32) if args.quick else ((1, 4, 8, 16), 96)
+    bare, rounds = engine_rounds(args.rounds, args.slots, args.threads, say, args.quick, bare_sizes,
+                                 args.engine_tokens, bare_steps)
     # --levels with no values: the engine and the decode server only
     multi = measure_cluster(args.slots, args.levels, args.models, args.max_tokens, args.threads, say, slos,
                             args.detailed, args.quick) if args.levels else {"parallel": args.slots, "levels": []}
