@@ -5,11 +5,14 @@ few servers as the benchmark needs, and, where the model's answers do not matter
 measured, a generated tiny llama-architecture GGUF (tests/tiny_models.py: random weights, SmolLM2's
 tokenizer and chat template) instead of the packaged models. Its figures say that the benchmark
 works and that its output is consistent (tests/test_benchmarks.py checks that); they are no
-measurement to quote.
+measurement to quote. Its OpenMP threads (llama.cpp's, in this process and in the servers it
+starts) sleep at barriers (``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it): spinning
+threads on a machine shared with other work (CI, a busy laptop) stretch seconds into minutes.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -24,8 +27,9 @@ def add_argument(parser: argparse.ArgumentParser) -> None:
 
 def apply(parser: argparse.ArgumentParser, args: argparse.Namespace, **values) -> argparse.Namespace:
     """With ``--quick``, each option named in ``values`` that the command line left at its default
-    takes the quick value."""
+    takes the quick value, and OpenMP threads will sleep at barriers. Call it before llama.cpp loads."""
     if args.quick:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read by libgomp when llama.cpp loads
         for key, value in values.items():
             if getattr(args, key) == parser.get_default(key):
                 setattr(args, key, value)

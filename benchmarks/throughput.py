@@ -328,9 +328,7 @@ def engine_rounds(rounds: int, slots: int, threads: int, say, tiny: bool = False
     data["models"] = {"qwen": data["models"]["qwen"]}
     data["prefill_servers"] = [s for s in data["prefill_servers"] if s["model"] == "qwen"]
     data["decode_servers"] = [s for s in data["decode_servers"] if s["model"] == "qwen"]
-    # --quick: threads that sleep at barriers, so that a machine shared with other work (CI, a busy
-    # laptop) does not stretch seconds into minutes; its figures are not measurements
-    data["server"]["openmp_wait"] = "sleep" if tiny else "spin"
+    data["server"]["openmp_wait"] = "spin"
     with LocalCluster(data, free_ports=True) as cluster:
         for process in cluster.processes:
             prioritise(process.proc.pid)
@@ -383,8 +381,6 @@ def main(argv=None) -> int:
     quick.apply(parser, args, levels=[1, 8], models=["qwen"], max_tokens=16, rounds=1, engine_tokens=128,
                 detailed=True)
     slos = dict(args.slo)
-    if args.quick:  # the in-process loops' OpenMP threads sleep at barriers too (see engine_rounds)
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     global AUTOGROUP_NICE
     AUTOGROUP_NICE = args.autogroup_nice
     prioritise()
