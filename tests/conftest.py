@@ -23,10 +23,12 @@ import pytest
 import requests
 
 ROOT = Path(__file__).resolve().parents[1]
-THREADS = 2  # greedy output depends on the thread count: tests and servers use the same
-# The tiny models compute on one thread: a step is too small to split, and two OpenMP threads that spin
-# at every barrier on a shared two-core machine made a 64-token answer take seconds instead of milliseconds.
-TINY_THREADS = 1
+# Greedy output depends on the thread count: tests and servers use the same. One thread each: the test
+# clusters put four servers (and the test process) on a two-core machine, where two OpenMP threads per model
+# either spin against each other at every barrier (measured here under load: SmolLM2 decoding at ~1 tok/s) or
+# sleep at each one (22-30 tok/s), while one thread has no barrier at all (43 tok/s).
+THREADS = 1
+TINY_THREADS = 1  # the tiny models: a step is too small to split anyway
 
 
 def cluster_config_dict(**server) -> dict:
