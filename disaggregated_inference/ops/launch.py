@@ -75,17 +75,6 @@ def check_exposure(settings, bind: str, insecure: bool = False) -> None:
                           "or pass --insecure on a network you trust", field="api_token")
 
 
-def openmp_threads(model) -> int:
-    """CPU threads a server of ``model`` (a ModelSettings) computes with on an OpenMP team: llama.cpp's
-    (its default: half the cores) and torch's (its default: all of them); 0 for MLX and Ollama."""
-    cpus = os.cpu_count() or 2
-    if model.backend == "llama_cpp":
-        return model.n_threads or max(1, cpus // 2)
-    if model.backend == "transformers":
-        return model.n_threads or cpus
-    return 0
-
-
 def openmp_wait(policy: str, compute_threads: int, cpus: int | None = None) -> str:
     """``spin`` or ``sleep`` for ``server.openmp_wait`` (``auto`` decided by the threads sharing the cores)."""
     if policy != "auto":
@@ -99,7 +88,9 @@ def server_command(settings, bind: str, environ=None) -> tuple[list[str], dict]:
     env.update(DISAGG_SERVER_SETTINGS=settings.to_json(), DISAGG_BIND=bind, DISAGG_PROC_NAME=f"disagg-{settings.name}",
                DISAGG_THREADS=str(settings.threads))
     env = with_copy_tunable(env, settings.non_temporal_copy_bytes)
-    if openmp_wait(settings.openmp_wait, openmp_threads(settings.model)) == "sleep":
+    from ..server.settings import engine_threads
+
+    if openmp_wait(settings.openmp_wait, engine_threads(settings.model)) == "sleep":
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read by libgomp when llama.cpp (or torch) loads
     return [sys.executable, "-m", "gunicorn", "-c", "python:disaggregated_inference.server.gunicorn_conf"], env
 

@@ -7,10 +7,10 @@ A request that cannot get a slot within ``queue_timeout``, or that finds
 Retry-After) so the client can go elsewhere. A decode server reserves its slot
 before it pulls a KV bundle, so it never consumes a lease it cannot serve.
 
-A batched backend (llama.cpp) runs every admitted request as a generator on the
-owner thread: each step the owner collects the ``Eval`` requests of all of them
-and the backend evaluates them in one batch (continuous batching: requests join
-and leave between steps). Other backends (Ollama, which batches behind its own
+A batched backend (``BatchedBackend``, backends/base.py: llama.cpp) runs every
+admitted request as a generator on the owner thread: each step the owner collects
+the ``Eval`` requests of all of them and the backend evaluates them in one batch
+(continuous batching: requests join and leave between steps). Other backends (Ollama, which batches behind its own
 API) run each request to its end on one of ``slots`` worker threads.
 
 The owner thread also loads the model, so a server answers /health while loading.
