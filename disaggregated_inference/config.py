@@ -14,14 +14,12 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from . import backends
+from . import backends, routing
 from .backends import options
 from .errors import ConfigError
-from .ops.launch import MIN_NON_TEMPORAL_BYTES
+from .tuning import MIN_NON_TEMPORAL_BYTES, OPENMP_WAITS
 
 DEFAULT_CONFIG_FILE = "config_current.json"
-ROUTES = ("auto", "handoff", "decode_only")  # client.route (routing.MODES)
-OPENMP_WAITS = ("auto", "spin", "sleep")  # server.openmp_wait (ops/launch.py)
 
 # What a model entry carries besides its engine's options (backends/options.py), and what a server
 # entry carries besides the options it overrides for that machine ("model" names a model entry).
@@ -65,13 +63,13 @@ class ServerOptions:
     slow_transfer_seconds: float = 1.0
     kv_buffer_idle_seconds: float = 300.0  # decode: how long a freed receive buffer is kept warm
     kv_socket_buffer_bytes: int = 4 << 20  # decode: the KV pull's socket receive buffer; 0 = the kernel's
-    non_temporal_copy_bytes: int = 256 << 10  # copies this large bypass the CPU cache (ops/launch.py); 0 = glibc's
+    non_temporal_copy_bytes: int = 256 << 10  # copies this large bypass the CPU cache (tuning.py); 0 = glibc's
     max_kv_bytes: int = 64 << 30
     api_token: str | None = None
     threads: int = 32  # gunicorn request threads of each server: threads - 1 may wait for or hold a model slot
     # llama.cpp's CPU threads at a barrier: "spin" (OpenMP's default: spin briefly, then sleep), "sleep"
     # (OMP_WAIT_POLICY=PASSIVE), or "auto": sleep only when the servers on one machine have more compute
-    # threads than it has cores (ops/launch.py)
+    # threads than it has cores (tuning.py)
     openmp_wait: str = "auto"
     max_queue: int = 64  # requests waiting for a slot beyond which a server answers 503 at once
     # Trust and limits (docs/ARCHITECTURE.md, "Trust and limits")
@@ -117,8 +115,8 @@ def _check_ranges(section: dict, ranges: dict, where: str, source: str) -> None:
 def check_limits(client: dict, server: dict, source: str) -> None:
     """Range checks of the client and server sections, and the timeouts that must agree with each other."""
     _check_ranges(client, CLIENT_RANGES, "client", source)
-    if client["route"] not in ROUTES:
-        raise ConfigError(f"{source}: client.route must be one of {', '.join(ROUTES)}, got {client['route']!r}",
+    if client["route"] not in routing.MODES:
+        raise ConfigError(f"{source}: client.route must be one of {', '.join(routing.MODES)}, got {client['route']!r}",
                           field="client.route")
     _check_ranges(server, SERVER_RANGES, "server", source)
     if server["openmp_wait"] not in OPENMP_WAITS:
@@ -155,6 +153,19 @@ DEFAULT_ALIASES = {
 PRODUCTION_MODELS = {key: names[0] for key, names in DEFAULT_ALIASES.items()}
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a host (or a bind address's host) is reachable from this machine only."""
+    import ipaddress
+
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
 @dataclass
 class ServerEntry:
     role: str  # "prefill" or "decode"
@@ -173,6 +184,11 @@ class ServerEntry:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def machine(self) -> str:
+        """The machine the server runs on, as far as the config tells: its host, every loopback name as one."""
+        return "loopback" if is_loopback(self.host) else self.host
 
 
 @dataclass

@@ -15,6 +15,7 @@ from .. import config as cluster_config
 from ..backends.base import DEFAULT_BACKEND, ModelSettings, settings_class
 from ..backends.registry import backend_class
 from ..errors import ConfigError
+from ..tuning import openmp_wait
 
 ROLES = ("prefill", "decode")
 
@@ -68,13 +69,8 @@ def prefill_addresses(entries) -> tuple:
 def compute_threads(cfg: cluster_config.ClusterConfig, entry) -> int:
     """CPU threads the servers of the config that share ``entry``'s machine compute with on OpenMP teams
     (its own included): servers whose host is the same, every loopback name counting as one machine."""
-    from ..ops.launch import is_loopback
-
-    def machine(e):
-        return "loopback" if is_loopback(e.host) else e.host
-
     return sum(engine_threads(ModelSettings.from_dict(other.settings))
-               for other in (*cfg.prefill_servers, *cfg.decode_servers) if machine(other) == machine(entry))
+               for other in (*cfg.prefill_servers, *cfg.decode_servers) if other.machine == entry.machine)
 
 
 def engine_threads(model: ModelSettings) -> int:
@@ -87,8 +83,6 @@ def from_cluster(cfg: cluster_config.ClusterConfig, server_name: str, prefill_en
     that is a setting here, as the type of that setting's default (a config's ``30`` is ``30.0``).
     A decode server's ``kv_peers`` are the config's prefill servers (or ``prefill_entries``, e.g. with
     the ports a local cluster actually bound)."""
-    from ..ops.launch import openmp_wait
-
     entry = cfg.find_server(server_name)
     model = ModelSettings.from_dict(entry.settings, name=entry.model)
     limits = {f.name: cfg.server[f.name] if f.default is None else type(f.default)(cfg.server[f.name])

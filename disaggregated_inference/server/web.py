@@ -22,7 +22,7 @@ from ..kv.canary import CanaryPolicy
 from ..errors import (BadRequest, DisaggError, ModelNotFound, PayloadTooLarge, RequestTimeout, Unauthorized,
                       UnsupportedMediaType)
 from ..kv.receive import socket_buffer_in_effect
-from ..ops.launch import copy_tunable_in_effect
+from ..tuning import copy_tunable_in_effect
 from . import resources  # psutil: imported with the app (metrics.py samples it for /metrics too)
 from . import admission
 from .metrics import ServerMetrics
