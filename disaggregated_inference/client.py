@@ -7,7 +7,8 @@ metrics)``. One request goes:
    (another one if it fails);
 2. ``POST /decode`` on a decode server with the KV reference; the decode server
    pulls the bundle from the prefill server itself (a decode server that does not
-   accept the connection is tried once more before the next one: seed 003's "retry 1x");
+   accept the connection is tried once more before the next one: the request never
+   reached it, so the KV lease it names is intact);
 3. a lost KV (lease expired, prefill server gone) is recomputed once: a new
    prefill, a new decode;
 4. with no prefill server left, or a handoff that failed twice, the decode
@@ -43,8 +44,8 @@ log = logging.getLogger(__name__)
 # Decode-server answers that mean "the KV is gone, recompute": unknown/expired
 # handle, unreachable prefill server, unusable bundle, a state that failed its canary.
 KV_LOST_CODES = {"not_found", "lease_expired", "upstream_error", "upstream_timeout", "bad_bundle", "canary_mismatch"}
-# Seed 003's "retry 1x": a decode server that could not be connected to is tried once more after
-# this pause before it is marked down (the request never reached it, so its KV lease is intact).
+# A decode server that could not be connected to is tried once more after this pause before it is
+# marked down: the request never reached it, so its KV lease is intact and the retry costs the pause.
 DECODE_CONNECT_RETRY_DELAY = 0.5
 
 
@@ -475,8 +476,8 @@ class DisaggregatedClient:
                       decoded, decode_sent_at=sent[-1], decode_connect_retries=retries)
 
     def _post_retrying_connect(self, server: TrackedServer, path: str, body: dict, sent: list, retries: list) -> dict:
-        """POST to a decode server; one that could not be connected to gets one more try (seed 003's
-        "retry 1x"), the same server after ``DECODE_CONNECT_RETRY_DELAY``. Appends each send's
+        """POST to a decode server; one that could not be connected to gets one more try, the same
+        server after ``DECODE_CONNECT_RETRY_DELAY``. Appends each send's
         time to ``sent`` and each retried failure to ``retries``."""
         sent.append(time.perf_counter())
         try:

@@ -3,8 +3,9 @@
 One JSON file (``config_current.json``) drives the client, the local cluster,
 the server launcher and the operations scripts. It is validated once, on load;
 a bad file gets one ``ConfigError`` naming the file, the key and what was
-expected. The seeds' shape (``prefill_servers``/``decode_servers`` lists of
-``{host, port, model, name}`` and nothing else) loads as it is.
+expected. The design documents' shape (``prefill_servers``/``decode_servers`` lists
+of ``{host, port, model, name}`` and nothing else) loads as it is: its model keys
+are the production roles, served by Ollama.
 """
 from __future__ import annotations
 
@@ -316,7 +317,7 @@ def from_dict(data: dict, source: str = "<dict>") -> ClusterConfig:
     _check_keys(data, top, "config", source, required=("prefill_servers", "decode_servers"))
 
     models = data.get("models")
-    if models is None:  # seeds' shape: model keys come from the servers, aliases from the defaults
+    if models is None:  # the documents' shape: model keys come from the servers, aliases from the defaults
         names = {s.get("model") for s in data["prefill_servers"] + data["decode_servers"] if isinstance(s, dict)}
         models = {n: {"aliases": list(DEFAULT_ALIASES.get(n, []))} for n in sorted(filter(None, names))}
     for key, entry in models.items():
@@ -381,7 +382,7 @@ def find(path: str | os.PathLike) -> Path:
 
     1. the path as given;
     2. if that file is absent and the path is the design documents' spelling
-       ``disaggregated_inference/config_current.json`` (seed 004), the ``config_current.json``
+       ``disaggregated_inference/config_current.json``, the ``config_current.json``
        of the directory that holds ``disaggregated_inference/`` (from the repository root: the
        repository's own file). There is one copy of the file; the loaded config's ``source``
        names the one read.
