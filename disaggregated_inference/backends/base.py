@@ -62,6 +62,9 @@ class ModelSettings:
             cls = settings_class(kwargs.get("backend", args[0] if args else DEFAULT_BACKEND))
         return object.__new__(cls)
 
+    def __getnewargs_ex__(self):  # a copy or an unpickled one is of the same engine's class
+        return (), {"backend": self.backend}
+
     @classmethod
     def from_dict(cls, data: dict, name: str = "") -> "ModelSettings":
         """The settings of a config entry: the keys its engine takes (others, such as ``aliases``, are left)."""
