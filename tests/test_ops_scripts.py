@@ -21,7 +21,7 @@ import pytest
 import requests
 
 from disaggregated_inference import config as cluster_config
-from disaggregated_inference.ops import launch
+from disaggregated_inference import tuning
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -438,7 +438,7 @@ def test_start_check_and_stop_one_local_server(tmp_path):
         assert "ops-test-prefill" in status.stdout and " up " in status.stdout
         # started by `disagg serve`, as the systemd unit does, with glibc's copy threshold (launch.py)
         health = requests.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
-        assert health["non_temporal_copy_bytes"] == (256 << 10 if launch.glibc_on_x86() else None)
+        assert health["non_temporal_copy_bytes"] == (256 << 10 if tuning.glibc_on_x86() else None)
 
         again = run("start_prefill_servers.sh", "--config", cfg, "--run-dir", run_dir)
         assert again.returncode == 0 and f"already running (pid {pid})" in again.stderr
