@@ -4,25 +4,20 @@ The unit part (no model) checks their evidence scores; the slow part grades them
 and small packaged models, as the grader's CLI does (several notebooks at once): the order holds, every number
 is traced, and every feedback item a student would see is either a finding of the checks or model text that
 passed the quality checks. That grading the same notebook again gives the same result is
-tests/test_grading_real.py's ``test_grading_the_same_notebook_twice_gives_the_same_result``.
+tests/test_grading_real.py's ``test_a_notebook_graded_again_alone_gets_the_same_result``.
 """
-from pathlib import Path
-
 import pytest
 
-from disaggregated_inference import config as cluster_config
-from disaggregated_inference.client import DisaggregatedClient
-from disaggregated_inference.grading import GradingOptions, grade_batch, load_rubric
+from disaggregated_inference.grading import load_rubric
 from disaggregated_inference.grading.analysis import instructions_of, plan_requests
 from disaggregated_inference.grading.evidence import check_rubric, collect_evidence
 from disaggregated_inference.grading.feedback import findings_for_student
 from disaggregated_inference.grading.notebook import load_submission
 from disaggregated_inference.grading.quality import NotebookText, item_problems, text_problems
 from disaggregated_inference.grading.scoring import evidence_score
-from tests.test_grading_real import patient
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-CALIBRATION = EXAMPLES / "notebooks" / "calibration"
+from .conftest import CALIBRATION, EXAMPLES
+
 ORDER = ["excellent", "decent", "weak", "wrong"]
 
 
@@ -50,12 +45,9 @@ def shown_items(result):
 
 
 @pytest.mark.slow
-def test_calibration_order_on_the_embedded_cluster(cluster, rubric, tmp_path):
-    options = GradingOptions.for_cluster(cluster_config.coerce(cluster.config))
-    with DisaggregatedClient(patient(cluster.config), health_check=False) as client:
-        # the four at once, as many as the decode servers have slots
-        run = grade_batch(CALIBRATION, rubric, client, tmp_path / "run", options, force=True, jobs=len(ORDER))
-    first = [{r["submission"]["name"]: r for r in run.results}[n] for n in ORDER]
+def test_calibration_order_on_the_embedded_cluster(calibration_run):
+    rubric, options, results = calibration_run
+    first = [results[n] for n in ORDER]
     totals = [r["total"] for r in first]
     assert totals[0] > totals[1] > totals[2] > totals[3], totals
     for result in first:
