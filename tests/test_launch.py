@@ -165,7 +165,7 @@ def test_the_server_command_sets_the_wait_policy_and_the_operators_own_wins():
     assert launch.server_command(sleep, "127.0.0.1:9001", own)[1]["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
-@pytest.mark.parametrize("library", ["llama_cpp", "torch"])
+@pytest.mark.parametrize("library", ["llama_cpp", pytest.param("torch", marks=pytest.mark.slow)])  # torch: ~8 s to load
 @pytest.mark.parametrize("policy, spins", [("sleep", False), ("spin", True)])
 def test_openmp_reads_the_policy_from_the_environment_we_build(policy, spins, library):
     """libgomp reads its settings when llama.cpp (or torch, with its own libgomp) loads: ask it what it
