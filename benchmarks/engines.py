@@ -24,6 +24,7 @@ first warms every server. On a machine where the prefill and decode servers shar
 ratios say what the handoff costs beside recomputing, not what a GPU prefill server would save.
 
     .venv/bin/python benchmarks/engines.py --json [--sizes 128 512 1024] [--repeat 2] [--threads 2]
+    .venv/bin/python benchmarks/engines.py --quick --json   # seconds: every pair on the tiny model, one size
 
 Each result is also written to stderr as it is measured, and Ctrl-C ends the run with the JSON
 of the results so far (``"interrupted": true``): on a 2-core CPU box, MLX's CPU build needs
@@ -45,6 +46,8 @@ import requests
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import quick  # noqa: E402
+
 FILLER = ("The quarterly sales report lists revenue by region, product line and month, "
           "with notes on returns, discounts and the marketing campaigns that ran. ")
 # pair name -> (model key, prefill server, decode server)
@@ -53,8 +56,8 @@ PAIRS = {"llama_cpp->mlx": ("smol", "prefill-llama", "decode-mlx"),
          "transformers->mlx": ("smol-tf", "prefill-tf", "decode-mlx-3")}
 
 
-def cluster_config(threads: int, pairs) -> dict:
-    model = {"backend": "llama_cpp", "model": "smollm2", "n_ctx": 4096, "n_threads": threads, "parallel": 1}
+def cluster_config(threads: int, pairs, model_file: str = "smollm2") -> dict:
+    model = {"backend": "llama_cpp", "model": model_file, "n_ctx": 4096, "n_threads": threads, "parallel": 1}
     models = {"smol": dict(model), "smol-mlx": dict(model, backend="mlx"),
               "smol-tf": dict(model, backend="transformers", device="cpu", n_threads=1)}
     config = {"models": {}, "prefill_servers": [], "decode_servers": [],
@@ -139,12 +142,18 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads per server")
     parser.add_argument("--pairs", nargs="*", default=list(PAIRS), choices=list(PAIRS))
+    quick.add_argument(parser)
     args = parser.parse_args(argv)
+    quick.apply(parser, args, sizes=[128], repeat=1)
+    if not importlib.util.find_spec("mlx_lm"):
+        parser.error("every pair decodes on an MLX server: install the mlx extra (scripts/install.sh does)")
     pairs = [p for p in args.pairs if p != "transformers->mlx" or importlib.util.find_spec("torch")]
 
     from disaggregated_inference.ops.cluster import LocalCluster
 
-    cluster = LocalCluster(cluster_config(args.threads, pairs), free_ports=True).start()
+    model_file = quick.tiny_model() if args.quick else "smollm2"
+    quick.say(f"starting {2 * len(pairs)} servers ({', '.join(pairs)}) ...")
+    cluster = LocalCluster(cluster_config(args.threads, pairs, model_file), free_ports=True).start()
     rows, interrupted = [], False
     try:
         cluster.wait_healthy(timeout=900)
@@ -164,7 +173,9 @@ def main(argv=None) -> int:
         interrupted = True
     finally:
         cluster.stop()
-    out = {"results": rows, "interrupted": interrupted, "left_out": sorted(set(args.pairs) - set(pairs)),
+    out = {"quick": args.quick, "model": Path(model_file).name, "sizes": args.sizes, "repeat": args.repeat,
+           "pairs": pairs, "results": rows, "interrupted": interrupted,
+           "left_out": sorted(set(args.pairs) - set(pairs)),
            "machine": {"cpus": os.cpu_count(), "llama_threads_per_server": args.threads,
                        "torch_threads": 1, "gpu": None}}
     if args.json:

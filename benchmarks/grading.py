@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/grading.py --json                 # examples/notebooks, --jobs 1 then 4
     .venv/bin/python benchmarks/grading.py --json --autogroup-nice -20   # on a shared Linux machine, as root
+    .venv/bin/python benchmarks/grading.py --quick --json         # two notebooks, --jobs 2, tiny model
 
 Starts the embedded local cluster once (both models, the config's slots), warms both models, then
 grades the same notebooks with ``jobs`` = 1 and ``jobs`` = N (``--jobs``), alternating
@@ -28,11 +29,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import quick  # noqa: E402
 from disaggregated_inference import config as cluster_config  # noqa: E402
 from disaggregated_inference.grading.batch import grade_batch  # noqa: E402
 from disaggregated_inference.grading.connect import decode_slots, open_client  # noqa: E402
 from disaggregated_inference.grading.options import GradingOptions  # noqa: E402
 from disaggregated_inference.grading.rubric import load_rubric  # noqa: E402
+
+
+# --quick grades these two (one clean, one with errors), with both roles on the tiny model: the
+# grades are meaningless, the batch's work (requests, scheduling, reports) is the real one
+QUICK_NOTEBOOKS = ("good_sales_analysis.ipynb", "errors_sales_analysis.ipynb", "sales.csv")
+
+
+def quick_setup(folder: Path) -> tuple[str, dict]:
+    """(a target folder holding QUICK_NOTEBOOKS, the embedded config with every model on the tiny model)."""
+    import shutil
+
+    for name in QUICK_NOTEBOOKS:
+        shutil.copy(ROOT / "examples" / "notebooks" / name, folder / name)
+    data = json.loads((ROOT / "config_current.json").read_text())
+    data = quick.on_tiny_model(data, keep=tuple(data["models"]))
+    return str(folder), data
 
 
 def run_once(target, rubric, client, options, jobs: int) -> dict:
@@ -62,23 +80,31 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--autogroup-nice", type=int,
                         help="Linux: niceness of this run's sessions (see throughput.prioritise)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="both models' answer budget (default: the grader's own, GradingOptions)")
+    quick.add_argument(parser)
     args = parser.parse_args(argv)
+    quick.apply(parser, args, jobs=2, max_tokens=64)
     import psutil
     import throughput
 
     throughput.AUTOGROUP_NICE = args.autogroup_nice
     throughput.prioritise()
 
-    def say(message):
-        print(message, file=sys.stderr, flush=True)
-
+    say = quick.say
     rubric = load_rubric(args.rubric)
-    cfg = cluster_config.load(args.config)
+    scratch = tempfile.TemporaryDirectory(prefix="grading-quick-") if args.quick else None
+    if scratch:
+        args.target, data = quick_setup(Path(scratch.name))
+        cfg = cluster_config.coerce(data)
+    else:
+        cfg = cluster_config.load(args.config)
     runs = []
     with open_client(cfg, local_cluster=True, progress=lambda name, message: say(f"  [{name}] {message}")) as client:
         for server in psutil.Process().children():
             throughput.prioritise(server.pid)
-        options = GradingOptions.for_cluster(client.config)
+        budget = {"code_max_tokens": args.max_tokens, "feedback_max_tokens": args.max_tokens} if args.max_tokens else {}
+        options = GradingOptions.for_cluster(client.config, **budget)
         slots = decode_slots(client)
         say("warming up both models ...")
         for model in ("qwen", "gpt-oss"):
@@ -98,7 +124,9 @@ def main(argv=None) -> int:
         # --jobs 1's wall time over the shortest --jobs N could take with the CPU work it measured
         # done on every core at once: the 2x target is out of reach where this is below 2
         f"jobs_1_over_jobs_{args.jobs}_ceiling": round(one / (cpu_many / (os.cpu_count() or 1)), 3),
-        "target": os.path.relpath(args.target, ROOT), "decode_slots": slots, "runs": runs,
+        "target": "two example notebooks (--quick)" if args.quick else os.path.relpath(args.target, ROOT),
+        "quick": args.quick, "max_tokens": {"code": options.code_max_tokens, "feedback": options.feedback_max_tokens},
+        "decode_slots": slots, "runs": runs,
         f"jobs_1_over_jobs_{args.jobs}": round(one / many, 3) if many else None,
         "scores_differing_between_settings": differing,
     }

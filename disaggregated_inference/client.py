@@ -7,7 +7,8 @@ metrics)``. One request goes:
    (another one if it fails);
 2. ``POST /decode`` on a decode server with the KV reference; the decode server
    pulls the bundle from the prefill server itself (a decode server that does not
-   accept the connection is tried once more before the next one: seed 003's "retry 1x");
+   accept the connection is tried once more before the next one: the request never
+   reached it, so the KV lease it names is intact);
 3. a lost KV (lease expired, prefill server gone) is recomputed once: a new
    prefill, a new decode;
 4. with no prefill server left, or a handoff that failed twice, the decode
@@ -43,8 +44,8 @@ log = logging.getLogger(__name__)
 # Decode-server answers that mean "the KV is gone, recompute": unknown/expired
 # handle, unreachable prefill server, unusable bundle, a state that failed its canary.
 KV_LOST_CODES = {"not_found", "lease_expired", "upstream_error", "upstream_timeout", "bad_bundle", "canary_mismatch"}
-# Seed 003's "retry 1x": a decode server that could not be connected to is tried once more after
-# this pause before it is marked down (the request never reached it, so its KV lease is intact).
+# A decode server that could not be connected to is tried once more after this pause before it is
+# marked down: the request never reached it, so its KV lease is intact and the retry costs the pause.
 DECODE_CONNECT_RETRY_DELAY = 0.5
 
 
@@ -95,6 +96,66 @@ class _Attempt(Exception):
     def __init__(self, server: TrackedServer, error: DisaggError, retryable: bool = True):
         super().__init__(str(error))
         self.server, self.error, self.retryable = server, error, retryable
+
+
+@dataclass
+class Served:
+    """How one request was served: the servers it went to, what they answered, and when."""
+
+    decode_server: TrackedServer
+    method: str  # kv_handoff, token_ids_recompute, decode_only or decode_only_fallback
+    prefill_server: TrackedServer | None = None
+    prefill: dict | None = None  # the prefill server's answer (a handoff)
+    decode: dict | None = None  # the decode server's answer: generated_text, finish_reason, metrics
+    decode_sent_at: float | None = None  # when the request that the decode server answered was sent
+    decode_connect_retries: list = field(default_factory=list)  # connections it refused, each retried once
+    first_piece_at: float | None = None  # a stream: when its first piece arrived
+    lines: object = None  # a stream: the decode server's NDJSON lines, open until the last
+
+    def metrics(self, started: float, notes: list) -> dict:
+        """The request's metrics, as ``generate`` returns them (``started``: when it began)."""
+        pre = (self.prefill or {}).get("metrics", {})
+        dec = self.decode["metrics"]
+        prompt_tokens = dec.get("prompt_tokens") or pre.get("prompt_tokens") or 0
+        completion = dec.get("completion_tokens", 0)
+        prefill_time = pre.get("prefill_time", dec.get("prompt_eval_time", 0.0)) if self.prefill else dec.get(
+            "prompt_eval_time", 0.0)
+        metrics = {
+            "prefill_time": prefill_time,
+            "decode_time": dec.get("decode_time"),
+            "total_time": round(time.perf_counter() - started, 6),
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "prefill_speed": pre.get("prefill_speed") if self.prefill else dec.get("prompt_eval_speed"),
+            "decode_speed": dec.get("decode_speed"),
+            "method": self.method,
+            "prefill_server": self.prefill_server.entry.address if self.prefill_server else None,
+            "decode_server": self.decode_server.entry.address,
+            "kv_bytes": dec.get("kv_bytes", 0),
+            "kv_transfer_time": dec.get("kv_transfer_time", 0.0),
+            "kv_load_time": dec.get("kv_load_time"),
+            "ttft": dec.get("ttft"),
+            # a stream's first piece arrives here: measured whole on the client's clock
+            "ttft_end_to_end": (round(self.first_piece_at - started, 6) if self.first_piece_at is not None
+                                else _end_to_end_ttft(started, self.decode_sent_at, dec.get("ttft"))),
+            "decode_connect_retries": len(self.decode_connect_retries),
+            "prompt_tokens_recomputed": dec.get("prompt_tokens_recomputed"),
+            # prompt tokens whose KV the evaluating server's slot already held (its prefix cache)
+            "prompt_tokens_cached": (pre if self.prefill else dec).get("prompt_tokens_cached"),
+            "finish_reason": self.decode.get("finish_reason"),
+        }
+        # the handoff's canary (kv/canary.py): what the decode side found, and what making it cost
+        for key in ("canary", "canary_top1_match", "canary_divergence", "canary_tolerance", "canary_check_ms"):
+            if key in dec:
+                metrics[key] = dec[key]
+        if pre.get("canary_ms") is not None:
+            metrics["canary_ms"] = pre["canary_ms"]
+        notes = notes + [f"decode server did not accept the connection, retried once: {m}"
+                         for m in self.decode_connect_retries]
+        if notes:
+            metrics["warnings"] = list(notes)
+        return metrics
 
 
 class DisaggregatedClient:
@@ -205,16 +266,16 @@ class DisaggregatedClient:
                                  prefill.entry.name if prefill else None, decode.entry.name if decode else None,
                                  prefill_queue=queue, reported=reported)
 
-    def _learn(self, model_key: str, source: dict, answer: dict, metrics: dict, clean: bool) -> None:
+    def _learn(self, model_key: str, source: dict, served: Served, metrics: dict, clean: bool) -> None:
         """Feed what this request measured to the cost model (``clean``: no retry or fallback inflated its times)."""
-        method = answer["method"]
+        method = served.method
         path = routing.HANDOFF if method == "kv_handoff" else routing.LOCAL if method.startswith("decode_only") else None
         if path is None:
             return
         self.costs.observe(model_key, routing.prompt_chars(source), path,
-                           answer["prefill_server"].entry.name if answer["prefill_server"] else None,
-                           answer["decode_server"].entry.name, (answer["prefill"] or {}).get("metrics", {}),
-                           answer["decode"]["metrics"], metrics.get("ttft_end_to_end") if clean else None)
+                           served.prefill_server.entry.name if served.prefill_server else None,
+                           served.decode_server.entry.name, (served.prefill or {}).get("metrics", {}),
+                           served.decode["metrics"], metrics.get("ttft_end_to_end") if clean else None)
 
     def _mark_failure(self, server: TrackedServer, error: str, hard: bool = False) -> None:
         with self._lock:
@@ -338,22 +399,21 @@ class DisaggregatedClient:
                                            json_schema=json_schema)
         decision = self._route(model_key, source, route)
 
-        def local(method: str) -> dict:
+        def local(method: str) -> Served:
             sent, retries = [], []
             decode_server, data = self._on("decode", model_key, lambda s: self._post_retrying_connect(
                 s, "/generate", {**source, **sampling}, sent, retries))
-            return {"prefill": None, "prefill_server": None, "decode": data, "decode_server": decode_server,
-                    "method": method, "decode_sent_at": sent[-1], "decode_connect_retries": retries}
+            return Served(decode_server, method, decode=data, decode_sent_at=sent[-1], decode_connect_retries=retries)
 
-        answer, notes = self._by_route(model_key, decision, lambda: self._disaggregated(model_key, source, sampling),
+        served, notes = self._by_route(model_key, decision, lambda: self._disaggregated(model_key, source, sampling),
                                        local, started)
-        metrics = self._metrics(answer, started, notes)
+        metrics = served.metrics(started, notes)
         metrics.update(decision.as_metrics())
-        self._learn(model_key, source, answer, metrics, clean=not notes and not answer["decode_connect_retries"])
+        self._learn(model_key, source, served, metrics, clean=not notes and not served.decode_connect_retries)
         self._remember(model_key, metrics)
-        return answer["decode"]["generated_text"], metrics
+        return served.decode["generated_text"], metrics
 
-    def _by_route(self, model_key: str, decision, handoff, local, started: float) -> tuple[dict, list[str]]:
+    def _by_route(self, model_key: str, decision, handoff, local, started: float) -> tuple[Served, list[str]]:
         """Serve a request the way ``decision`` chose: ``local("decode_only")`` when the router kept it
         on the decode server; else ``handoff()``, recomputing a lost KV up to ``retries`` times, then
         ``local("decode_only_fallback")`` with a ``FallbackWarning`` when no handoff could be made.
@@ -368,7 +428,7 @@ class DisaggregatedClient:
                                      "total_time": round(time.perf_counter() - started, 6)})
             raise
 
-    def _serve_by_route(self, model_key: str, decision, handoff, local) -> tuple[dict, list[str]]:
+    def _serve_by_route(self, model_key: str, decision, handoff, local) -> tuple[Served, list[str]]:
         notes: list[str] = []
         if decision.path == routing.LOCAL:  # chosen, not a fallback: no warning
             return local("decode_only"), notes
@@ -418,18 +478,17 @@ class DisaggregatedClient:
             raise
         return prefill_server, prefilled, decode_server, decoded
 
-    def _disaggregated(self, model_key: str, source: dict, sampling: dict) -> dict:
+    def _disaggregated(self, model_key: str, source: dict, sampling: dict) -> Served:
         sent, retries = [], []
         prefill_server, prefilled, decode_server, decoded = self._handoff(
             model_key, source, lambda server, pre: self._post_retrying_connect(
                 server, "/decode", {"kv": pre["kv"], **sampling}, sent, retries))
-        return {"prefill": prefilled, "prefill_server": prefill_server, "decode": decoded,
-                "decode_server": decode_server, "method": decoded["metrics"].get("method", "disaggregated"),
-                "decode_sent_at": sent[-1], "decode_connect_retries": retries}
+        return Served(decode_server, decoded["metrics"].get("method", "disaggregated"), prefill_server, prefilled,
+                      decoded, decode_sent_at=sent[-1], decode_connect_retries=retries)
 
     def _post_retrying_connect(self, server: TrackedServer, path: str, body: dict, sent: list, retries: list) -> dict:
-        """POST to a decode server; one that could not be connected to gets one more try (seed 003's
-        "retry 1x"), the same server after ``DECODE_CONNECT_RETRY_DELAY``. Appends each send's
+        """POST to a decode server; one that could not be connected to gets one more try, the same
+        server after ``DECODE_CONNECT_RETRY_DELAY``. Appends each send's
         time to ``sent`` and each retried failure to ``retries``."""
         sent.append(time.perf_counter())
         try:
@@ -446,51 +505,6 @@ class DisaggregatedClient:
 
     def _pause_before_retry(self) -> None:
         time.sleep(DECODE_CONNECT_RETRY_DELAY)
-
-    @staticmethod
-    def _metrics(answer: dict, started: float, notes: list) -> dict:
-        pre = (answer["prefill"] or {}).get("metrics", {})
-        dec = answer["decode"]["metrics"]
-        prompt_tokens = dec.get("prompt_tokens") or pre.get("prompt_tokens") or 0
-        completion = dec.get("completion_tokens", 0)
-        prefill_time = pre.get("prefill_time", dec.get("prompt_eval_time", 0.0)) if answer["prefill"] else dec.get(
-            "prompt_eval_time", 0.0)
-        metrics = {
-            "prefill_time": prefill_time,
-            "decode_time": dec.get("decode_time"),
-            "total_time": round(time.perf_counter() - started, 6),
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-            "prefill_speed": pre.get("prefill_speed") if answer["prefill"] else dec.get("prompt_eval_speed"),
-            "decode_speed": dec.get("decode_speed"),
-            "method": answer["method"],
-            "prefill_server": answer["prefill_server"].entry.address if answer["prefill_server"] else None,
-            "decode_server": answer["decode_server"].entry.address,
-            "kv_bytes": dec.get("kv_bytes", 0),
-            "kv_transfer_time": dec.get("kv_transfer_time", 0.0),
-            "kv_load_time": dec.get("kv_load_time"),
-            "ttft": dec.get("ttft"),
-            # a stream's first piece arrives here: measured whole on the client's clock
-            "ttft_end_to_end": (round(answer["first_piece_at"] - started, 6) if "first_piece_at" in answer
-                                else _end_to_end_ttft(started, answer["decode_sent_at"], dec.get("ttft"))),
-            "decode_connect_retries": len(answer.get("decode_connect_retries", ())),
-            "prompt_tokens_recomputed": dec.get("prompt_tokens_recomputed"),
-            # prompt tokens whose KV the evaluating server's slot already held (its prefix cache)
-            "prompt_tokens_cached": (pre if answer["prefill"] else dec).get("prompt_tokens_cached"),
-            "finish_reason": answer["decode"].get("finish_reason"),
-        }
-        # the handoff's canary (kv/canary.py): what the decode side found, and what making it cost
-        for key in ("canary", "canary_top1_match", "canary_divergence", "canary_tolerance", "canary_check_ms"):
-            if key in dec:
-                metrics[key] = dec[key]
-        if pre.get("canary_ms") is not None:
-            metrics["canary_ms"] = pre["canary_ms"]
-        notes = notes + [f"decode server did not accept the connection, retried once: {m}"
-                         for m in answer.get("decode_connect_retries", ())]
-        if notes:
-            metrics["warnings"] = list(notes)
-        return metrics
 
     def stream(self, model: str, prompt: str | None = None, max_tokens: int = 256, temperature: float = 0.0, *,
                messages: list | None = None, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
@@ -514,30 +528,29 @@ class DisaggregatedClient:
         sampling["stream"] = True
         decision = self._route(model_key, source, route)
 
-        def local(method: str) -> dict:
+        def local(method: str) -> Served:
             decode_server, lines = self._on("decode", model_key, lambda s: self._open_stream(
                 s, "/generate", {**source, **sampling}, self.decode_timeout))
-            return {"prefill": None, "prefill_server": None, "decode_server": decode_server, "lines": lines,
-                    "method": method}
+            return Served(decode_server, method, lines=lines)
 
-        opened, notes = self._by_route(model_key, decision,
+        served, notes = self._by_route(model_key, decision,
                                        lambda: self._open_disaggregated(model_key, source, sampling), local, started)
-        lines = opened.pop("lines")
-        opened["first_piece_at"] = time.perf_counter()  # _open_stream returned once the first line had arrived
-        decode_server = opened["decode_server"]
+        lines, served.lines = served.lines, None
+        served.first_piece_at = time.perf_counter()  # _open_stream returned once the first line had arrived
+        decode_server = served.decode_server
         with self._lock:  # busy for the whole stream, so that least-loaded routing sees it
             decode_server.outstanding += 1
         try:
             if on_route is not None:
-                kv = (opened["prefill"] or {}).get("kv") or {}
-                on_route({"method": opened["method"], "prefill_server": opened["prefill_server"].entry.address
-                          if opened["prefill_server"] else None, "decode_server": opened["decode_server"].entry.address,
+                kv = (served.prefill or {}).get("kv") or {}
+                on_route({"method": served.method, "prefill_server": served.prefill_server.entry.address
+                          if served.prefill_server else None, "decode_server": decode_server.entry.address,
                           "kv_bytes": kv.get("bytes", 0), "warnings": list(notes)})
             pieces, final = [], None
             for line in lines:
                 if line.get("error"):
                     err = from_body(502, {k: v for k, v in line.items() if k != "done"})
-                    err.message = f"{opened['decode_server'].entry.name} failed mid-stream: {err.message}"
+                    err.message = f"{decode_server.entry.name} failed mid-stream: {err.message}"
                     err.args = (err.message,)
                     raise err
                 if line.get("done"):
@@ -550,25 +563,25 @@ class DisaggregatedClient:
             with self._lock:
                 decode_server.outstanding -= 1
         if final is None:
-            raise UpstreamError(f"{opened['decode_server'].entry.name} ended its stream without a final line")
-        if not opened["method"].startswith("decode_only"):
-            opened["method"] = final["metrics"].get("method", "disaggregated")
-        answer = {**opened, "decode": {"generated_text": "".join(pieces), "finish_reason": final.get("finish_reason"),
-                                       "metrics": final.get("metrics") or {}}}
-        metrics = self._metrics(answer, started, notes)
+            raise UpstreamError(f"{decode_server.entry.name} ended its stream without a final line")
+        if not served.method.startswith("decode_only"):
+            served.method = final["metrics"].get("method", "disaggregated")
+        served.decode = {"generated_text": "".join(pieces), "finish_reason": final.get("finish_reason"),
+                         "metrics": final.get("metrics") or {}}
+        metrics = served.metrics(started, notes)
         metrics.update(decision.as_metrics())
-        self._learn(model_key, source, answer, metrics, clean=not notes)
+        self._learn(model_key, source, served, metrics, clean=not notes)
         self._remember(model_key, metrics)
         yield metrics
 
-    def _open_disaggregated(self, model_key: str, source: dict, sampling: dict) -> dict:
+    def _open_disaggregated(self, model_key: str, source: dict, sampling: dict) -> Served:
         """``_disaggregated`` up to the first line of the decode server's stream."""
         prefill_server, prefilled, decode_server, lines = self._handoff(
             model_key, source, lambda server, pre: self._open_stream(
                 server, "/decode", {"kv": pre["kv"], **sampling}, self.decode_timeout))
         kind = (prefilled.get("kv") or {}).get("kind")
-        return {"prefill": prefilled, "prefill_server": prefill_server, "decode_server": decode_server, "lines": lines,
-                "method": "token_ids_recompute" if kind == "token_ids" else "kv_handoff"}
+        return Served(decode_server, "token_ids_recompute" if kind == "token_ids" else "kv_handoff", prefill_server,
+                      prefilled, lines=lines)
 
     def _open_stream(self, server: TrackedServer, path: str, body: dict, timeout: float):
         """POST a streaming request; return its NDJSON lines once the first one has arrived.

@@ -90,9 +90,11 @@ def test_model_backend_is_checked(tmp_path):
 
 
 def test_a_registered_plugin_backend_is_accepted(tmp_path, monkeypatch):
-    from disaggregated_inference import backends
+    from disaggregated_inference.backends import registry
 
-    monkeypatch.setitem(backends._REGISTRY, "vllm", "some_plugin.module:VllmBackend")
+    # a class that can be imported: the config checks a model's options against its engine's declarations
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setitem(registry._REGISTRY, "vllm", "tests.echo_engine:EchoBackend")
     data = {**SEEDS_SHAPE, "models": {"qwen": {"backend": "vllm"}, "gpt-oss": {}}}
     cfg = config.load(write(tmp_path, data))
     assert cfg.prefill_servers[0].settings["backend"] == "vllm"
@@ -101,7 +103,7 @@ def test_a_registered_plugin_backend_is_accepted(tmp_path, monkeypatch):
 def test_entry_point_backends_are_registered(monkeypatch):
     from importlib.metadata import EntryPoint
 
-    from disaggregated_inference import backends
+    from disaggregated_inference.backends import registry as backends
 
     found = [EntryPoint("mlx_plugin", "plugin.mlx:Backend", backends.ENTRY_POINT_GROUP)]
     monkeypatch.setattr(backends, "entry_points", lambda group: found if group == backends.ENTRY_POINT_GROUP else [])

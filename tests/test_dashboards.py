@@ -1,7 +1,7 @@
-"""The operators' views against the session's real cluster (gunicorn servers, the packaged models) and
-gateway: the Grafana dashboard's queries name metrics the servers really export, ``disagg top`` draws
-them, the link capacity ``disagg doctor`` measures is kept by the decode servers, and the demo gives
-the base-model stand-in a text to continue.
+"""The operators' views against the session's real gunicorn servers and gateway: the Grafana dashboard's
+queries name metrics the servers really export, ``disagg top`` draws them, the link capacity ``disagg
+doctor`` measures is kept by the decode servers (all on the tiny-model cluster: what a model answers does
+not matter here), and the demo gives the base-model stand-in a text to continue (the packaged models).
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from disaggregated_inference.client import DisaggregatedClient
 from disaggregated_inference.observe import figures, sampler as sampler_module
 from disaggregated_inference.ops import cli
 from disaggregated_inference.ops.doctor import Doctor
+
+from .conftest import patient
 
 pytestmark = pytest.mark.slow
 
@@ -52,26 +54,26 @@ def queried_names(dashboard: dict) -> set:
 
 
 @pytest.fixture(scope="module")
-def traffic(cluster, gateway, http):
+def traffic(tiny_cluster, tiny_gateway, http):
     """One request per model through the client, one streamed through the gateway, one link probe each."""
-    with DisaggregatedClient(cluster.config, health_check=False) as client:
+    with DisaggregatedClient(tiny_cluster.config, health_check=False) as client:
         for model in ("qwen", "gpt-oss"):
             client.generate(model, "Name one colour.", max_tokens=4, seed=0)
         history = list(client.history)
-    with http.post(f"{gateway}/v1/chat/completions", stream=True, timeout=120,
+    with http.post(f"{tiny_gateway}/v1/chat/completions", stream=True, timeout=120,
                    json={"model": "qwen", "stream": True, "max_tokens": 4,
                          "messages": [{"role": "user", "content": "Say hi."}]}) as resp:
         assert resp.status_code == 200
         assert b"[DONE]" in b"".join(resp.iter_content(None))
-    pairs = Doctor(cluster_config.coerce(cluster.config), probe_bytes=1 << 20).measure_links()
+    pairs = Doctor(cluster_config.coerce(tiny_cluster.config), probe_bytes=1 << 20).measure_links()
     return history, pairs
 
 
-def test_every_metric_the_grafana_dashboard_queries_is_exported(cluster, gateway, http, traffic):
+def test_every_metric_the_grafana_dashboard_queries_is_exported(tiny_cluster, tiny_gateway, http, traffic):
     dashboard = json.loads((ROOT / "deploy" / "grafana" / "disagg.json").read_text())
     declared, sampled = set(), set()
-    texts = {p.entry.name: http.get(f"{p.url}/metrics", timeout=10).text for p in cluster.processes}
-    texts["gateway"] = http.get(f"{gateway}/metrics", timeout=10).text
+    texts = {p.entry.name: http.get(f"{p.url}/metrics", timeout=10).text for p in tiny_cluster.processes}
+    texts["gateway"] = http.get(f"{tiny_gateway}/metrics", timeout=10).text
     for text in texts.values():
         d, s = exported(text)
         declared |= d
@@ -88,11 +90,11 @@ def test_every_metric_the_grafana_dashboard_queries_is_exported(cluster, gateway
             assert info and f'name="{name}"' in info.group(1) and 'model="' in info.group(1), name
 
 
-def test_the_decode_servers_keep_the_doctor_s_probe_as_the_link_capacity(cluster, http, traffic):
+def test_the_decode_servers_keep_the_doctor_s_probe_as_the_link_capacity(tiny_cluster, http, traffic):
     history, pairs = traffic
     assert {(p["prefill"], p["decode"]) for p in pairs if p.get("throughput_MB_s")} == {
         ("local-prefill-qwen", "local-decode-qwen"), ("local-prefill-gpt-oss", "local-decode-gpt-oss")}
-    cfg = cluster_config.coerce(cluster.config)
+    cfg = cluster_config.coerce(tiny_cluster.config)
     s = sampler_module.Sampler(cfg)
     try:
         newest = s.sweep()
@@ -103,7 +105,7 @@ def test_the_decode_servers_keep_the_doctor_s_probe_as_the_link_capacity(cluster
     measured = next(p for p in pairs if p["decode"] == "local-decode-qwen")["throughput_MB_s"]
     assert pair["capacity_gbps"] == pytest.approx(measured * 8 / 1000, rel=0.01) and pair["probed_at"]
     assert pair["kv_bytes"] > 0 and pair["gbps"] > 0  # the handoffs' pulls, by prefill server
-    decode = next(p for p in cluster.processes if p.entry.name == "local-decode-qwen")
+    decode = next(p for p in tiny_cluster.processes if p.entry.name == "local-decode-qwen")
     probes = http.get(f"{decode.url}/health", timeout=10).json()["kv_probes"]
     assert [round(v["bytes_per_second"] / 1e6, 1) for v in probes.values()] == [measured]
     # the client's own view of the same pairs, by name
@@ -112,9 +114,9 @@ def test_the_decode_servers_keep_the_doctor_s_probe_as_the_link_capacity(cluster
                                                                         "local-decode-qwen")]["gbps"] > 0
 
 
-def test_disagg_top_once_draws_the_live_cluster(cluster, traffic, tmp_path, capsys):
+def test_disagg_top_once_draws_the_live_cluster(tiny_cluster, traffic, tmp_path, capsys):
     config = tmp_path / "cluster.json"
-    config.write_text(json.dumps(cluster.config))
+    config.write_text(json.dumps(tiny_cluster.config))
     assert cli.main(["top", "--config", str(config), "--once"]) == 0
     frame = capsys.readouterr().out
     assert "since the servers started" in frame
@@ -125,7 +127,7 @@ def test_disagg_top_once_draws_the_live_cluster(cluster, traffic, tmp_path, caps
 
 
 def test_the_demo_gives_the_base_model_a_text_to_continue(cluster):
-    with DisaggregatedClient(cluster.config, health_check=False) as client:
+    with DisaggregatedClient(patient(cluster.config), health_check=False) as client:
         base = cli.base_models(client)
         assert base == {"gpt-oss"}  # Gemma 3 270M's GGUF has no chat template; SmolLM2-Instruct's has one
         job = cli.demo_job("gpt-oss", True, 24)

@@ -138,11 +138,11 @@ LONG_PROMPT = ("The quarterly sales report lists revenue by region, product line
 
 
 @pytest.mark.slow
-def test_auto_keeps_a_few_tokens_local_and_hands_2k_tokens_off_saying_why(cluster):
+def test_auto_keeps_a_few_tokens_local_and_hands_2k_tokens_off_saying_why(tiny_cluster):
     """A cold start: before the client has measured both paths (and before the servers report any
     speed), the prior decides: a few tokens stay on the decode server, a long prompt goes to the
     prefill server; each answer says why."""
-    with DisaggregatedClient(cluster.config, health_check=False) as client:
+    with DisaggregatedClient(tiny_cluster.config, health_check=False) as client:
         client.check_health()
         for server in client.servers.values():  # this session's servers may have served other tests
             server.health.pop("prompt_speed", None)
@@ -168,9 +168,9 @@ def test_auto_keeps_a_few_tokens_local_and_hands_2k_tokens_off_saying_why(cluste
 
 
 @pytest.mark.slow
-def test_forced_routes_work_in_generate_and_stream(cluster):
+def test_forced_routes_work_in_generate_and_stream(tiny_cluster):
     # the running cluster's ports, with the client forced local
-    config = {**cluster.config, "client": {**cluster.config["client"], "route": "decode_only"}}
+    config = {**tiny_cluster.config, "client": {**tiny_cluster.config["client"], "route": "decode_only"}}
     with DisaggregatedClient(config, health_check=False) as client:
         client.check_health()
         _, m = client.generate("qwen", LONG_PROMPT, max_tokens=2)

@@ -29,7 +29,7 @@ GENERATOR_VERSION = 1
 
 @dataclass(frozen=True)
 class TinyShape:
-    arch: str            # "qwen3moe" or "gpt-oss"
+    arch: str            # "llama" (the tests' fast stand-in), "qwen3moe" or "gpt-oss"
     n_layer: int = 4
     n_embd: int = 64
     n_head: int = 4
@@ -54,9 +54,13 @@ class TinyShape:
         return [i for i in range(self.n_layer) if i % 2 == 0] if self.n_swa else []
 
 
+# A dense llama of two layers: a step of a few sequences takes about a millisecond, so the tests of the
+# protocol, trust, limits, failover, gateway and ops run real servers without waiting on a model.
+LLAMA = TinyShape(arch="llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_expert=0,
+                  n_expert_used=0, n_ff_exp=128)
 QWEN3MOE = TinyShape(arch="qwen3moe")
 GPT_OSS = TinyShape(arch="gpt-oss", n_swa=128, expert_type="mxfp4")
-SHAPES = {"qwen3moe": QWEN3MOE, "gpt-oss": GPT_OSS}
+SHAPES = {"llama": LLAMA, "qwen3moe": QWEN3MOE, "gpt-oss": GPT_OSS}
 
 
 def cache_dir() -> Path:
@@ -123,10 +127,13 @@ def _write(shape: TinyShape, tokenizer_source: Path, out: Path) -> None:
     writer.add_value_length(shape.head_dim)
     writer.add_rope_dimension_count(shape.head_dim)
     writer.add_layer_norm_rms_eps(1e-6 if arch == "qwen3moe" else 1e-5)
-    writer.add_expert_count(shape.n_expert)
-    writer.add_expert_used_count(shape.n_expert_used)
-    writer.add_expert_feed_forward_length(shape.n_ff_exp)
-    if arch == "qwen3moe":
+    if shape.n_expert:
+        writer.add_expert_count(shape.n_expert)
+        writer.add_expert_used_count(shape.n_expert_used)
+        writer.add_expert_feed_forward_length(shape.n_ff_exp)
+    if arch == "llama":
+        writer.add_rope_freq_base(1e5)  # SmolLM2's, whose tokenizer it carries
+    elif arch == "qwen3moe":
         writer.add_rope_freq_base(1e7)  # qwen3-coder's
     elif arch == "gpt-oss":
         writer.add_rope_freq_base(150000.0)
@@ -163,6 +170,12 @@ def _write(shape: TinyShape, tokenizer_source: Path, out: Path) -> None:
         add(b + "attn_k.weight", e, kv)
         add(b + "attn_v.weight", e, kv)
         add(b + "attn_output.weight", q, e)
+        if arch == "llama":  # a dense feed-forward block
+            add(b + "ffn_norm.weight", e, dtype=f32, value=1.0)
+            add(b + "ffn_gate.weight", e, ff)
+            add(b + "ffn_up.weight", e, ff)
+            add(b + "ffn_down.weight", ff, e)
+            continue
         add(b + "ffn_gate_inp.weight", e, x, dtype=f32)
         add_expert(b + "ffn_gate_exps.weight", e, ff, x)
         add_expert(b + "ffn_up_exps.weight", e, ff, x)

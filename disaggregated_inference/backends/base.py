@@ -12,8 +12,17 @@ Tokenization is part of ``prefill``: Ollama has no public tokenizer endpoint, so
 a separate ``tokenize`` verb would be one that backend could not fill.
 
 What a backend hands over is declared by ``handoff_kind``: ``llama_seq_state``
-(the KV cache itself moves) or ``token_ids`` (only the ids move and the decode
-side recomputes the prompt). Metrics report which one happened.
+(the KV cache itself moves), ``neutral_kv`` (the K/V arrays in an engine-neutral
+layout, kv/neutral.py) or ``token_ids`` (only the ids move and the decode side
+recomputes the prompt). Metrics report which one happened.
+
+An engine's settings are its ``Settings`` class: ``ModelSettings`` (what every
+engine shares) extended with the engine's own options (options.py).
+``ModelSettings(backend=NAME, ...)`` makes the settings of the engine registered
+as NAME, so one call takes any engine's options.
+
+A backend that batches (llama.cpp) is a ``BatchedBackend``: the server's owner
+thread drives its requests as generators and steps them together (``evaluate``).
 """
 from __future__ import annotations
 
@@ -23,33 +32,51 @@ from typing import Callable, ClassVar, Iterator
 
 from ..kv.canary import CanaryPolicy
 from ..kv.receive import Received  # noqa: F401  (part of the interface: what decode() gets)
+from . import registry
+from .options import option
+
+DEFAULT_BACKEND = "llama_cpp"
 
 
 @dataclass(frozen=True)
 class ModelSettings:
-    backend: str = "llama_cpp"
-    model: str = "smollm2"
-    name: str = ""  # the public name (config key), e.g. "qwen"
-    n_ctx: int = 4096
-    n_threads: int | None = None
-    n_batch: int = 512
-    n_gpu_layers: int = 0
-    flash_attn: bool = True
-    parallel: int = 4  # requests served at once (llama.cpp: sequences of one context, each its own KV stream)
-    prefix_cache: bool = True  # llama.cpp: a free slot keeps its last prompt's KV for a prompt that starts the same
-    type_k: str = "f16"
-    type_v: str = "f16"
-    ollama_host: str | None = None
-    ollama_timeout: float = 300.0
-    keep_alive: str | int = "30m"
-    ollama_options: dict = field(default_factory=dict)
-    device: str = "auto"  # transformers: auto (CUDA when torch sees it, else cpu) | cpu | cuda | cuda:N | mps
+    """The settings every engine shares; an engine's ``Settings`` subclass adds its own options.
+
+    ``ModelSettings(backend=NAME, **options)`` makes an instance of the ``Settings`` of the engine
+    registered as NAME (plain ``ModelSettings`` for a name no engine is registered under), so
+    an option of that engine is an attribute like the shared ones: ``settings.flash_attn``.
+    """
+
+    backend: str = option(DEFAULT_BACKEND, "the engine: llama_cpp, ollama, mlx, transformers or a plugin's name")
+    model: str = option("smollm2", "what the engine loads: smollm2, gemma3-270m, a GGUF path, ollama:NAME (a GGUF "
+                                   "Ollama pulled), or the model name the ollama backend asks its daemon for")
+    name: str = ""  # the public name (the config's key), e.g. "qwen"; no option: the config sets it
+    n_ctx: int = option(4096, "context tokens per request", low=1)
+    n_threads: int | None = option(None, "CPU threads the engine computes with (unset: its own default; engines "
+                                         "that compute elsewhere ignore it)", low=1)
+    parallel: int = option(4, "requests served at once (llama.cpp: slots batched together each step; Ollama: "
+                              "requests in flight; mlx and transformers serve one at a time)", low=1)
+
+    def __new__(cls, *args, **kwargs):
+        if cls is ModelSettings:
+            cls = settings_class(kwargs.get("backend", args[0] if args else DEFAULT_BACKEND))
+        return object.__new__(cls)
+
+    def __getnewargs_ex__(self):  # a copy or an unpickled one is of the same engine's class
+        return (), {"backend": self.backend}
 
     @classmethod
     def from_dict(cls, data: dict, name: str = "") -> "ModelSettings":
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        """The settings of a config entry: the keys its engine takes (others, such as ``aliases``, are left)."""
+        settings_cls = settings_class(data.get("backend", DEFAULT_BACKEND))
+        known = {k: v for k, v in data.items() if k in settings_cls.__dataclass_fields__}
         known.setdefault("name", name)
-        return cls(**known)
+        return settings_cls(**known)
+
+
+def settings_class(backend: str) -> type:
+    """The settings class of the engine registered as ``backend``; ``ModelSettings`` for an unregistered name."""
+    return registry.backend_class(backend).Settings if registry.is_registered(backend) else ModelSettings
 
 
 @dataclass(frozen=True)
@@ -163,12 +190,22 @@ def gguf_prompt_tokens(prompt: Prompt, formatter, tokenize) -> tuple[list[int], 
 
 
 class Backend(abc.ABC):
+    """An engine: what the prefill and decode servers call, and nothing else.
+
+    The server's owner thread (server/owner.py) calls ``load`` once, then runs each
+    request's ``prefill``/``decode``/``generate`` on one of ``slots`` worker threads
+    (a ``BatchedBackend`` steps them on the owner thread instead), and ``close`` at
+    the end. HTTP threads call only what answers from memory: ``fingerprint``,
+    ``describe``, ``served_model``, ``receive_room`` and ``convert``.
+    """
+
     name: ClassVar[str]
     handoff_kind: ClassVar[str]
     # bundle kinds decode() can continue from
     accepts: ClassVar[tuple] = ()
-    # batched backends' prefill/decode/generate are generators that yield Eval requests, and
-    # evaluate() runs one step of them; the others run each request to its end on a thread
+    # the engine's settings: ModelSettings, or a subclass declaring the engine's own options
+    Settings: ClassVar[type] = ModelSettings
+    # True for a BatchedBackend: its requests are generators stepped together by ``evaluate``
     batched: ClassVar[bool] = False
     # backends that see next-token logits make a canary on prefill and check it on decode
     # (kv/canary.py); the server sets its policy from its settings. The others report
@@ -176,6 +213,15 @@ class Backend(abc.ABC):
     canary: CanaryPolicy = CanaryPolicy()
     # whether ``Sampling.ignore_eos`` is honoured (the server refuses it where it is not)
     ignores_eos: ClassVar[bool] = False
+
+    def __init__(self, settings: ModelSettings):
+        self.settings = settings
+
+    @classmethod
+    def compute_threads(cls, settings: ModelSettings) -> int:
+        """CPU threads a server of this engine computes with on an OpenMP team, whose wait policy the
+        launcher sets (``server.openmp_wait``); 0 for an engine whose work runs elsewhere."""
+        return 0
 
     @property
     def engine(self) -> str:
@@ -187,9 +233,6 @@ class Backend(abc.ABC):
         """How many requests this backend serves at once (``parallel`` in the config)."""
         return max(1, self.settings.parallel)
 
-    def __init__(self, settings: ModelSettings):
-        self.settings = settings
-
     @abc.abstractmethod
     def load(self, progress: Callable[[str], None] = lambda message: None) -> None:
         """Load the model (may take minutes); report progress as short messages."""
@@ -200,15 +243,21 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def prefill(self, prompt: Prompt) -> Prefilled:
-        ...
+        """Evaluate the prompt (all of it, or all but its last token, which decode then evaluates)."""
 
     @abc.abstractmethod
     def decode(self, received: Received, sampling: Sampling, cancelled: Cancelled) -> Iterator[Event]:
-        ...
+        """Continue a prefilled prompt: text pieces, then the metrics. ``received.verify()`` is called
+        after the import and before the first piece (the checksum may still be running)."""
 
     @abc.abstractmethod
     def generate(self, prompt: Prompt, sampling: Sampling, cancelled: Cancelled) -> Iterator[Event]:
-        ...
+        """The whole request on this machine (the decode-only path and the fallback)."""
+
+    def convert(self, prefilled: Prefilled, kind: str) -> Prefilled | None:
+        """``prefilled`` as the bundle kind ``kind`` a decode side asked for (``kv_kind``), or None when
+        this engine cannot make it. Runs on the request's HTTP thread, after ``prefill``."""
+        return None
 
     def receive_room(self) -> tuple[int, int]:
         """Spare bytes (before, after) a received payload should have around it (see kv/buffers.with_room)."""
@@ -232,3 +281,42 @@ class Backend(abc.ABC):
         if model.startswith("ollama:"):
             return model[len("ollama:"):]
         return model.replace("\\", "/").rsplit("/", 1)[-1] if model.lower().endswith(".gguf") else model
+
+
+class BatchedBackend(Backend):
+    """A backend whose requests the owner thread steps together (continuous batching).
+
+    ``prefill``, ``decode`` and ``generate`` are generators that yield ``Eval``
+    requests (and, for decode and generate, ``Event``s); ``prefill`` returns its
+    ``Prefilled`` as the generator's value. Each step the owner gathers the
+    pending ``Eval`` of every active request and calls ``evaluate`` once with all
+    of them; a request is sent its ``Eval`` back once all of its tokens are in.
+    Requests join and leave between steps; a request's generator is closed when
+    it is cancelled, and its cleanup must free whatever it held (its sequence).
+    At most ``slots`` requests are active at once.
+    """
+
+    batched: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def evaluate(self, evals: list[Eval]) -> int:
+        """One step over the pending requests: evaluate as many of each ``Eval``'s remaining tokens as
+        the batch holds (advancing ``done``), give each completed one its ``row`` (where its last
+        token's logits are, valid until the next step) and ``alone``; return the tokens evaluated.
+        An exception fails every request of the step; the others go on."""
+
+    def run(self, request):
+        """Drive one request generator (``prefill``/``decode``/``generate``) to its end on the calling
+        thread, alone in every batch (tests, benchmarks, tools); returns (the events it yielded, its
+        return value)."""
+        events = []
+        try:
+            while True:
+                item = next(request)
+                if isinstance(item, Eval):
+                    while not item.complete:
+                        self.evaluate([item])
+                else:
+                    events.append(item)
+        except StopIteration as stop:
+            return events, stop.value

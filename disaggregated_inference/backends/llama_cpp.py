@@ -32,6 +32,7 @@ import json
 import os
 import threading
 import time
+from dataclasses import dataclass, replace
 from importlib.metadata import version as package_version
 from typing import Callable, Iterator
 
@@ -39,10 +40,12 @@ from ..kv import fingerprint as fp
 from ..kv import llama_state
 from ..kv import buffers
 from ..kv.buffers import HUGE_THRESHOLD, sendable
-from ..kv.bundle import KIND_LLAMA_SEQ_STATE, KIND_TOKEN_IDS
+from ..kv.bundle import KIND_LLAMA_SEQ_STATE, KIND_NEUTRAL_KV, KIND_TOKEN_IDS
 from ..errors import BadRequest, BundleError, FingerprintMismatch
 from .gguf import resolve_gguf
-from .base import Backend, Eval, Event, Prefilled, Prompt, Received, Sampling, check_fits, gguf_prompt_tokens, rate
+from .base import (BatchedBackend, Eval, Event, ModelSettings, Prefilled, Prompt, Received, Sampling, check_fits,
+                   gguf_prompt_tokens, rate)
+from .options import option
 
 # A reused prefix counts only from this many tokens on (below it the lowest free slot is worth more:
 # see ``evaluate``). ggml's CPU matmul takes another path for fewer than 64 rows: a prompt's last rows
@@ -68,12 +71,28 @@ FALLBACK_TEMPLATES = {
 }
 
 
-class LlamaCppBackend(Backend):
+@dataclass(frozen=True)
+class LlamaCppSettings(ModelSettings):
+    n_batch: int = option(512, "prompt tokens evaluated per step (the chunk a long prompt is cut into)", low=1)
+    n_gpu_layers: int = option(0, "layers offloaded to the GPU (-1: all of them)")
+    flash_attn: bool = option(True, "flash attention (a quantized V cache needs it)")
+    prefix_cache: bool = option(True, "a free slot keeps its last prompt's KV, and a prompt that starts the same "
+                                      "evaluates only the rest (off by itself on sliding-window models)")
+    type_k: str = option("f16", "the K cache's type (the same on both sides of a handoff)", choices=KV_TYPES)
+    type_v: str = option("f16", "the V cache's type (quantized types need flash_attn)", choices=KV_TYPES)
+
+
+class LlamaCppBackend(BatchedBackend):
     name = "llama_cpp"
     handoff_kind = KIND_LLAMA_SEQ_STATE
     accepts = (KIND_LLAMA_SEQ_STATE, KIND_TOKEN_IDS)
-    batched = True
+    Settings = LlamaCppSettings
     ignores_eos = True
+
+    @classmethod
+    def compute_threads(cls, settings) -> int:
+        """llama.cpp's CPU threads: ``n_threads``, by default half the cores."""
+        return settings.n_threads or max(1, (os.cpu_count() or 2) // 2)
 
     def __init__(self, settings):
         super().__init__(settings)
@@ -120,7 +139,7 @@ class LlamaCppBackend(Backend):
         self._batch_capacity = s.n_batch + self.slots  # one prompt chunk plus a token for every slot
         cp.n_batch = self._batch_capacity
         cp.n_ubatch = min(512, s.n_batch)
-        threads = s.n_threads or max(1, (os.cpu_count() or 2) // 2)
+        threads = self.compute_threads(s)
         cp.n_threads = cp.n_threads_batch = threads
         self._threads = threads if self.engine.endswith("/cpu") else None
         cp.flash_attn_type = 1 if s.flash_attn else 0
@@ -182,6 +201,15 @@ class LlamaCppBackend(Backend):
     def metadata(self) -> dict:
         """The GGUF's metadata (architecture, head counts, RoPE...), as llama.cpp read it."""
         return self.model.metadata()
+
+    def convert(self, prefilled: Prefilled, kind: str) -> Prefilled | None:
+        """A sequence state as ``neutral_kv`` (kv/convert.py), for decode servers that read no llama.cpp state."""
+        if kind != KIND_NEUTRAL_KV or prefilled.kind != KIND_LLAMA_SEQ_STATE:
+            return None
+        from ..kv.convert import llama_state_as_neutral
+
+        meta, payload = llama_state_as_neutral(prefilled.payload, self.metadata(), prefilled.fingerprint["model_sha256"])
+        return replace(prefilled, kind=KIND_NEUTRAL_KV, payload=payload, meta={**prefilled.meta, "neutral": meta})
 
     def describe(self) -> dict:
         return {"model_file": str(self.model_path), "n_ctx": self.settings.n_ctx, "parallel": self.slots,
@@ -312,21 +340,6 @@ class LlamaCppBackend(Backend):
         return n
 
     # -- in-process use (tests, benchmarks, tools): one request at a time on the calling thread -----
-
-    def run(self, request):
-        """Drive one request generator (``prefill``/``decode``/``generate``) to its end here, alone in
-        every batch; returns (the events it yielded, its return value)."""
-        events = []
-        try:
-            while True:
-                item = next(request)
-                if isinstance(item, Eval):
-                    while not item.complete:
-                        self.evaluate([item])
-                else:
-                    events.append(item)
-        except StopIteration as stop:
-            return events, stop.value
 
     @contextlib.contextmanager
     def sequence(self):

@@ -17,7 +17,7 @@ from flask import Blueprint, Response, g
 
 from .. import __version__
 from . import sse
-from .app import complete, fact_headers, facts, json_body, open_stream, state
+from .relay import complete, fact_headers, facts, json_body, open_stream, state
 from .parse import GatewayRequest, parse_model_name, parse_ollama_chat, parse_ollama_generate
 
 ollama = Blueprint("ollama", __name__)

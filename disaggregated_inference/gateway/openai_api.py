@@ -15,7 +15,7 @@ import uuid
 from flask import Blueprint, Response
 
 from . import sse
-from .app import complete, fact_headers, facts, json_body, open_stream, state
+from .relay import complete, fact_headers, facts, json_body, open_stream, state
 from .parse import GatewayRequest, parse_openai_chat, parse_openai_completion
 
 openai = Blueprint("openai", __name__, url_prefix="/v1")

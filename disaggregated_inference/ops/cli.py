@@ -201,8 +201,10 @@ def cmd_serve(args) -> int:
     else:
         if not (args.role and args.model):
             raise ConfigError("give --server NAME (with --config) or --role and --model", field="server")
-        model = ModelSettings(backend=args.backend, model=args.model, name=args.name or args.model,
-                              **({"n_gpu_layers": args.n_gpu_layers} if args.n_gpu_layers is not None else {}))
+        given = {"backend": args.backend, "model": args.model}
+        if args.n_gpu_layers is not None:  # an option of llama_cpp: another engine leaves it
+            given["n_gpu_layers"] = args.n_gpu_layers
+        model = ModelSettings.from_dict(given, name=args.name or args.model)
         settings = ServerSettings(role=args.role, model=model, name=args.name or f"{args.role}-{args.model}")
         bind = args.bind or f"0.0.0.0:{8000 if args.role == 'prefill' else 8001}"
     if os.environ.get("DISAGG_API_TOKEN"):  # e.g. from a systemd EnvironmentFile; beats the config file

@@ -241,13 +241,14 @@ def parse_kv_ref(value) -> KVRef:
     return KVRef(url=value["url"], handle=value["handle"], bytes=size, crc32c=crc)
 
 
-# The design documents' spellings of what /decode continues from (seed 001: "kv_cache"; seed 004:
-# "context", the token ids /prefill answered with, sent beside the original "prompt").
+# The other spellings of what /decode continues from, which clients written to the design documents
+# send: "kv_cache" for "kv", and "context" (the token ids /prefill answered with, beside the original
+# "prompt") for "tokens".
 DOCUMENT_DECODE_KEYS = {"kv_cache", "context", "prompt"}
 
 
 def _kv_cache(value) -> KVRef:
-    """Seed 001's ``kv_cache``: the ``kv`` object a /prefill answered with, under the documents' name.
+    """``kv_cache``: the ``kv`` object a /prefill answered with, under the documents' name.
 
     The KV itself never travels inside JSON here (the decode server pulls it from the prefill
     server), so anything but that reference is refused, saying so."""
@@ -261,8 +262,8 @@ def _kv_cache(value) -> KVRef:
 
 
 def _decode_source(body: dict) -> tuple[KVRef | None, tuple | None]:
-    """What to continue from: a KV reference (``kv``, or seed 001's ``kv_cache``) or token ids
-    (``tokens``, or seed 004's ``context``: both are recomputed by the decode server)."""
+    """What to continue from: a KV reference (``kv``, or ``kv_cache``) or token ids (``tokens``, or
+    ``context``: both are recomputed by the decode server)."""
     given = [key for key in ("kv", "kv_cache", "tokens", "context") if body.get(key) is not None]
     if len(given) != 1:
         raise BadRequest("exactly one of 'kv' (a prefill's KV reference, also spelled 'kv_cache') or 'tokens' "

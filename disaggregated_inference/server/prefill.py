@@ -21,26 +21,20 @@ log = logging.getLogger(__name__)
 
 
 def as_kind(backend, result, kind: str | None):
-    """The prefilled result as the bundle kind the decode side asked for (``kv_kind``).
-
-    A llama.cpp state becomes ``neutral_kv`` here, after the backend's export
-    (kv/convert.py); other conversions are refused, naming ``kv_kind``.
-    """
+    """The prefilled result as the bundle kind the decode side asked for (``kv_kind``): converted by the
+    backend after its export (llama.cpp state -> ``neutral_kv``, kv/convert.py); a conversion it cannot
+    make is refused, naming ``kv_kind``."""
     if kind is None or kind == result.kind:
         return result
-    if kind == bundle.KIND_NEUTRAL_KV and result.kind == bundle.KIND_LLAMA_SEQ_STATE:
-        from ..kv.convert import llama_state_as_neutral
-
-        started = time.perf_counter()
-        meta, payload = llama_state_as_neutral(result.payload, backend.metadata(),
-                                               result.fingerprint["model_sha256"])
-        result.metrics["kv_convert_time"] = round(time.perf_counter() - started, 6)
-        result.metrics["kv_state_bytes"] = result.metrics.get("kv_bytes")
-        result.metrics["kv_bytes"] = len(payload)
-        result.kind, result.payload, result.meta = bundle.KIND_NEUTRAL_KV, payload, {**result.meta, "neutral": meta}
-        return result
-    raise BadRequest(f"this {backend.name} prefill server hands over {result.kind!r}; it cannot convert it to "
-                     f"{kind!r}", field="kv_kind")
+    started = time.perf_counter()
+    converted = backend.convert(result, kind)
+    if converted is None:
+        raise BadRequest(f"this {backend.name} prefill server hands over {result.kind!r}; it cannot convert it to "
+                         f"{kind!r}", field="kv_kind")
+    converted.metrics["kv_convert_time"] = round(time.perf_counter() - started, 6)
+    converted.metrics["kv_state_bytes"] = result.metrics.get("kv_bytes")
+    converted.metrics["kv_bytes"] = len(converted.payload)
+    return converted
 
 
 def create_app(config=None, backend=None) -> Flask:

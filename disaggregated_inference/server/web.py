@@ -17,11 +17,12 @@ from flask import Flask, Response, current_app, request
 from werkzeug.exceptions import ClientDisconnected, HTTPException
 
 from .. import __version__, backends
+from ..backends import options
 from ..kv.canary import CanaryPolicy
 from ..errors import (BadRequest, DisaggError, ModelNotFound, PayloadTooLarge, RequestTimeout, Unauthorized,
                       UnsupportedMediaType)
 from ..kv.receive import socket_buffer_in_effect
-from ..ops.launch import copy_tunable_in_effect
+from ..tuning import copy_tunable_in_effect
 from . import resources  # psutil: imported with the app (metrics.py samples it for /metrics too)
 from . import admission
 from .metrics import ServerMetrics
@@ -122,6 +123,7 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
             "aliases": list(settings.aliases),
             "loaded": owner.ready,
             "backend": settings.model.backend,
+            "options": options.values(settings.model),  # the model's settings, as its engine declares them
             "handoff": getattr(owner.backend, "handoff_kind", None),
             "accepts": list(getattr(owner.backend, "accepts", ())),  # bundle kinds its /decode continues
             "progress": owner.progress,
