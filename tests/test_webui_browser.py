@@ -22,8 +22,6 @@ from pathlib import Path
 import pytest
 import requests
 
-from .conftest import patient
-
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +57,7 @@ def sync_playwright():
 def webui(cluster, tmp_path):
     """``python -m disaggregated_inference.webui`` on the session cluster's config; yields its URL."""
     config_file = tmp_path / "cluster.json"
-    config_file.write_text(json.dumps(patient(cluster.config), indent=2))  # a busy machine is not a failure
+    config_file.write_text(json.dumps(cluster.config, indent=2))
     log_path = tmp_path / "webui.log"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     with open(log_path, "wb") as log:
