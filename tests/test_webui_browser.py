@@ -1,6 +1,7 @@
-"""The web interface end to end: a real Streamlit process, a real headless Chromium, the session cluster's
-REAL servers and models. Upload a notebook, press Grade, read its grade on the page; then open the
-cluster dashboard and find that grading's requests in its charts. Screenshots of both pages are saved
+"""The web interface end to end: a real Streamlit process, a real headless Chromium, real gunicorn servers
+(the session's ``tiny_cluster``: what the page shows is tested, not what a model writes; the grading runs
+the whole pipeline, KV handoffs included, in seconds). Upload a notebook, press Grade, read its grade on
+the page; then open the cluster dashboard and find that grading's requests in its charts. Screenshots of both pages are saved
 under the test's tmp dir (the paths are printed).
 
 Needs Chromium at /usr/bin/chromium (Debian: ``apt-get install chromium``; ``.ci/run`` installs it) and the
@@ -30,7 +31,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 START_TIMEOUT = 120  # s: streamlit's first page on a busy 2-core machine
-GRADE_TIMEOUT = 360  # s: one notebook through both real models (about 1-2 minutes on 2 cores)
+GRADE_TIMEOUT = 360  # s: one notebook through both models (seconds on the tiny ones; room for a busy machine)
 
 
 def _unavailable(what: str) -> None:
@@ -54,10 +55,10 @@ def sync_playwright():
 
 
 @pytest.fixture
-def webui(cluster, tmp_path):
-    """``python -m disaggregated_inference.webui`` on the session cluster's config; yields its URL."""
+def webui(tiny_cluster, tmp_path):
+    """``python -m disaggregated_inference.webui`` on the tiny session cluster's config; yields its URL."""
     config_file = tmp_path / "cluster.json"
-    config_file.write_text(json.dumps(cluster.config, indent=2))
+    config_file.write_text(json.dumps(tiny_cluster.config, indent=2))
     log_path = tmp_path / "webui.log"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     with open(log_path, "wb") as log:
