@@ -151,6 +151,10 @@ class Served:
                 metrics[key] = dec[key]
         if pre.get("canary_ms") is not None:
             metrics["canary_ms"] = pre["canary_ms"]
+        # speculative decoding on the decode server: guesses verified and kept
+        for key in ("speculation", "draft_tokens", "accepted_tokens"):
+            if key in dec:
+                metrics[key] = dec[key]
         notes = notes + [f"decode server did not accept the connection, retried once: {m}"
                          for m in self.decode_connect_retries]
         if notes:
@@ -390,13 +394,15 @@ class DisaggregatedClient:
     def generate(self, model: str, prompt: str | None = None, max_tokens: int = 256, temperature: float = 0.0, *,
                  messages: list | None = None, top_p: float = 1.0, seed: int | None = None, stop=None,
                  json_schema: dict | None = None, raw: bool = False, top_k: int | None = None,
-                 system: str | None = None, route: str | None = None) -> tuple[str, dict]:
-        """One request; ``route`` ("auto", "handoff", "decode_only") overrides ``client.route`` for it."""
+                 system: str | None = None, route: str | None = None,
+                 speculation: str | None = None) -> tuple[str, dict]:
+        """One request; ``route`` ("auto", "handoff", "decode_only") overrides ``client.route`` for it;
+        ``speculation`` ("off", "ngram") overrides the decode server's model setting for it."""
         started = time.perf_counter()
         model_key = self.config.resolve_model(model)
         source, sampling = _request_bodies(prompt, messages, raw, system=system, max_tokens=max_tokens,
                                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                                           json_schema=json_schema)
+                                           json_schema=json_schema, speculation=speculation)
         decision = self._route(model_key, source, route)
 
         def local(method: str) -> Served:
@@ -452,7 +458,8 @@ class DisaggregatedClient:
             self.history.append({"time": time.time(), "model": model_key, **{k: metrics.get(k) for k in (
                 "method", "prefill_time", "decode_time", "total_time", "prompt_tokens", "completion_tokens",
                 "prefill_speed", "decode_speed", "prefill_server", "decode_server", "kv_bytes", "kv_transfer_time",
-                "ttft", "ttft_end_to_end", "prompt_tokens_cached", "canary", "route_reason")}})
+                "ttft", "ttft_end_to_end", "prompt_tokens_cached", "canary", "route_reason", "draft_tokens",
+                "accepted_tokens")}})
 
     def _handoff(self, model_key: str, source: dict, decode) -> tuple:
         """Prefill on one server (asking for the KV kind the decode servers read), then ``decode(server,
@@ -509,7 +516,7 @@ class DisaggregatedClient:
     def stream(self, model: str, prompt: str | None = None, max_tokens: int = 256, temperature: float = 0.0, *,
                messages: list | None = None, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
                stop=None, json_schema: dict | None = None, raw: bool = False, system: str | None = None,
-               on_route=None, route: str | None = None):
+               on_route=None, route: str | None = None, speculation: str | None = None):
         """Like ``generate``, but yield the text pieces as the decode server sends them, then the metrics dict.
 
         Routing, failover, the recompute of a lost KV and the decode-only fallback happen as in
@@ -524,7 +531,7 @@ class DisaggregatedClient:
         model_key = self.config.resolve_model(model)
         source, sampling = _request_bodies(prompt, messages, raw, system=system, max_tokens=max_tokens,
                                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                                           json_schema=json_schema)
+                                           json_schema=json_schema, speculation=speculation)
         sampling["stream"] = True
         decision = self._route(model_key, source, route)
 
@@ -688,7 +695,7 @@ def _raise_kv_lost(server: TrackedServer, exc: DisaggError) -> None:
 
 
 def _request_bodies(prompt, messages, raw, *, system=None, max_tokens, temperature, top_p, top_k=None, seed=None,
-                    stop=None, json_schema=None) -> tuple[dict, dict]:
+                    stop=None, json_schema=None, speculation=None) -> tuple[dict, dict]:
     """The prompt part (for /prefill and /generate) and the sampling part (for /decode) of a request."""
     if (prompt is None) == (messages is None):
         raise BadRequest("give prompt or messages", field="prompt")
@@ -706,6 +713,8 @@ def _request_bodies(prompt, messages, raw, *, system=None, max_tokens, temperatu
         sampling["stop"] = stop
     if json_schema is not None:
         sampling["json_schema"] = json_schema
+    if speculation is not None:
+        sampling["speculation"] = speculation
     return source, sampling
 
 

@@ -101,6 +101,9 @@ class Sampling:
     # never end at an end-of-generation token: exactly max_new_tokens (or a stop string), for
     # benchmarks, as llama.cpp's server and vLLM offer; backends without it refuse the request
     ignore_eos: bool = False
+    # speculative decoding for this request: "off" or the proposer the model's setting names (None: the
+    # model's setting); engines without it ignore it
+    speculation: str | None = None
 
 
 @dataclass
@@ -137,6 +140,11 @@ class Eval:
     and hands the generator back its ``Eval`` once all of its tokens are in: then
     ``row`` is the batch row holding the last token's logits, valid until the next
     step. A long prompt is evaluated ``done`` tokens at a time, across steps.
+
+    A speculative step (``draft_acceptance`` set: backends/speculate.py) evaluates a token and
+    guesses after it: ``tokens[1:]`` are the guesses, each accepted with about that probability.
+    It is evaluated whole in one step with logits on every row (``row_of``); the backend may cut
+    guesses from its end first (when they cost the step more than they are likely to save).
     """
 
     seq: int
@@ -146,10 +154,15 @@ class Eval:
     done: int = 0
     row: int = -1
     alone: bool = False  # its last step evaluated no other sequence (batching moves logits)
+    draft_acceptance: float | None = None
 
     @property
     def complete(self) -> bool:
         return self.done >= len(self.tokens)
+
+    def row_of(self, i: int) -> int:
+        """The batch row of ``tokens[i]``'s logits (a speculative step, once complete)."""
+        return self.row - (len(self.tokens) - 1 - i)
 
 
 def rate(n, seconds: float):

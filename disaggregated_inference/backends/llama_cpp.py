@@ -22,6 +22,11 @@ top-p, temperature, seeded distribution, or greedy).
 a request whose prompt starts with the same tokens (a shared system prompt, a
 rubric, an earlier chat turn) takes that slot and evaluates only the rest, as
 llama.cpp's server does with ``cache_prompt``. See ``_acquire``.
+
+**Speculation.** With a proposer (the model's ``speculation`` setting, or a request's), a generating
+sequence's step may verify guesses after its token, with logits on every row; ``_continue`` keeps the
+guesses the sampler would have chosen and removes the KV cells of the rest, so a slot holds exactly
+the answer. ``speculate.py`` says why it is exact and how it decides which drafts pay.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, replace
+import logging
 from importlib.metadata import version as package_version
 from typing import Callable, Iterator
 
@@ -46,6 +52,9 @@ from .gguf import resolve_gguf
 from .base import (BatchedBackend, Eval, Event, ModelSettings, Prefilled, Prompt, Received, Sampling, check_fits,
                    gguf_prompt_tokens, rate)
 from .options import option
+from .speculate import PROPOSERS, Lookahead, StepCost, cut_drafts, proposer
+
+log = logging.getLogger(__name__)
 
 # A reused prefix counts only from this many tokens on (below it the lowest free slot is worth more:
 # see ``evaluate``). ggml's CPU matmul takes another path for fewer than 64 rows: a prompt's last rows
@@ -80,6 +89,13 @@ class LlamaCppSettings(ModelSettings):
                                       "evaluates only the rest (off by itself on sliding-window models)")
     type_k: str = option("f16", "the K cache's type (the same on both sides of a handoff)", choices=KV_TYPES)
     type_v: str = option("f16", "the V cache's type (quantized types need flash_attn)", choices=KV_TYPES)
+    speculation: str = option("off", "speculative decoding: off, or ngram (guesses by prompt lookup, verified in "
+                                     "the step); the default of the model's requests, which may name either",
+                              choices=PROPOSERS)
+    draft_max: int = option(8, "speculation: most guesses one step verifies for a sequence", low=1)
+    draft_min_match: int = option(1, "speculation: the shortest n-gram match that may draft (which drafts pay is "
+                                     "decided per step from the measured step cost and each sequence's acceptance)",
+                                  low=1)
 
 
 class LlamaCppBackend(BatchedBackend):
@@ -107,7 +123,8 @@ class LlamaCppBackend(BatchedBackend):
         self._cached: dict[int, list[int]] = {}  # free slot -> the token ids its KV holds, from position 0
         self._prefix_cache = False
         self._state_bytes_per_token = 0.0  # of the last export: sizes the next export buffer in advance
-        self._batch_capacity = 0
+        self._batch_capacity = self._n_ubatch = 0
+        self._step_cost: StepCost | None = None  # measured at load, or at a request's first draft (speculate.py)
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -138,7 +155,7 @@ class LlamaCppBackend(BatchedBackend):
         cp.n_ctx = s.n_ctx * self.slots
         self._batch_capacity = s.n_batch + self.slots  # one prompt chunk plus a token for every slot
         cp.n_batch = self._batch_capacity
-        cp.n_ubatch = min(512, s.n_batch)
+        cp.n_ubatch = self._n_ubatch = min(512, s.n_batch)
         threads = self.compute_threads(s)
         cp.n_threads = cp.n_threads_batch = threads
         self._threads = threads if self.engine.endswith("/cpu") else None
@@ -183,6 +200,10 @@ class LlamaCppBackend(BatchedBackend):
         # not on sliding-window models: their cache drops the cells a prefix's later tokens would need
         self._prefix_cache = bool(s.prefix_cache) and not self._fingerprint["n_swa"]
         progress(f"loaded in {time.perf_counter() - started:.1f}s")
+        if s.speculation != "off":
+            self._step_cost = self._measure_step_cost()
+            progress(f"speculation {s.speculation}: a step costs {self._step_cost.per_ubatch * 1000:.2f} ms per "
+                     f"ubatch + {self._step_cost.per_token * 1000:.2f} ms per token")
 
     def fingerprint(self) -> dict:
         return dict(self._fingerprint)
@@ -216,7 +237,9 @@ class LlamaCppBackend(BatchedBackend):
                 "arch": self._fingerprint.get("arch"), "n_swa": self._fingerprint.get("n_swa"),
                 "n_vocab": self._fingerprint.get("n_vocab"), "prefix_cache": self._prefix_cache,
                 "library_version": self._fingerprint.get("library_version"),
-                "chat_template": self._template_source}
+                "chat_template": self._template_source,
+                "speculation": {"proposer": self.settings.speculation, "draft_max": self.settings.draft_max,
+                                "step_cost_s": self._step_cost.as_dict() if self._step_cost else None}}
 
     def close(self) -> None:
         import llama_cpp
@@ -303,16 +326,26 @@ class LlamaCppBackend(BatchedBackend):
         machine: every other burst of 8 streams ran at ~75 tok/s instead of ~115,
         as the free list handed the slots out in reverse). ``_acquire`` keeps busy
         ids dense for the same reason.
+
+        A speculative step (``draft_acceptance``) goes in whole, with logits on every row, after its
+        guesses are cut to what pays in this step (``speculate.cut_drafts``).
         """
         import llama_cpp
 
         b, n, room = self._batch, 0, self._batch_capacity
         chunk = self.settings.n_batch
         chosen, used = [], 0
-        for ev in sorted(evals, key=lambda e: (len(e.tokens) - e.done, e.seq)):  # singles first, then chunks
-            # chunks end at multiples of n_batch counted from position 0, wherever the Eval starts (a prompt
-            # after a cached prefix is cut where the whole prompt would be: see _aligned_reuse)
-            take = min(chunk - (ev.pos + ev.done) % chunk, len(ev.tokens) - ev.done)
+        if self._step_cost is not None:
+            cut_drafts(evals, self._step_cost, self._n_ubatch)
+        # singles and speculative steps first, then chunks
+        for ev in sorted(evals, key=lambda e: (1 if e.draft_acceptance is not None else len(e.tokens) - e.done, e.seq)):
+            if ev.draft_acceptance is not None:  # whole, in this step: its rows are read together
+                del ev.tokens[max(1, room - used):]
+                take = len(ev.tokens)
+            else:
+                # chunks end at multiples of n_batch counted from position 0, wherever the Eval starts (a prompt
+                # after a cached prefix is cut where the whole prompt would be: see _aligned_reuse)
+                take = min(chunk - (ev.pos + ev.done) % chunk, len(ev.tokens) - ev.done)
             if take <= room - used:
                 chosen.append((ev, take))
                 used += take
@@ -323,7 +356,7 @@ class LlamaCppBackend(BatchedBackend):
                 b.pos[n] = ev.pos + i
                 b.n_seq_id[n] = 1
                 b.seq_id[n][0] = ev.seq
-                b.logits[n] = ev.logits and i == len(ev.tokens) - 1
+                b.logits[n] = ev.logits and (i == len(ev.tokens) - 1 or ev.draft_acceptance is not None)
                 n += 1
             placed.append((ev, take, n - 1))
         if not n:
@@ -356,6 +389,52 @@ class LlamaCppBackend(BatchedBackend):
         while not ev.complete:
             self.evaluate([ev])
         return self._row_logits(ev.row).copy()
+
+    def _measure_step_cost(self, rounds: int = 5, sizes=(1, 2, 4, 8), context: int = 64) -> StepCost:
+        """What a step costs this model here, for speculation to decide which drafts pay: one sequence's steps
+        of ``sizes`` tokens (logits on every row, as a verify step) after a ``context``-token prompt, in a
+        free slot, ``rounds`` times after a warm-up; ``StepCost.fit`` through the medians."""
+        import llama_cpp
+
+        context = max(1, min(context, self.settings.n_ctx - max(sizes)))
+        sizes = [n for n in sizes if context + n <= self.settings.n_ctx]
+        if len(sizes) < 2:
+            return StepCost()
+        text = b"Every row of the quarterly sales table lists a store, a region and its revenue. "
+        ids = self.model.tokenize(text * (1 + (context + max(sizes)) // 8), add_bos=True, special=False)
+        mem = llama_cpp.llama_get_memory(self.ctx.ctx)
+        seq, _ = self._acquire()
+        timings: dict[int, list[float]] = {n: [] for n in sizes}
+        try:
+            self.logits(seq, ids[:context])
+            for round_ in range(rounds + 1):
+                for n in sizes:
+                    ev = Eval(seq, ids[context:context + n], context, draft_acceptance=1.0)
+                    started = time.perf_counter()
+                    self.evaluate([ev])
+                    if round_:  # the first round warms up
+                        timings[n].append(time.perf_counter() - started)
+                    llama_cpp.llama_memory_seq_rm(mem, seq, context, -1)
+        finally:
+            self._release(seq)
+        return StepCost.fit(timings)
+
+    def _drop_cells(self, seq: int, pos: int) -> None:
+        """Remove sequence ``seq``'s KV from position ``pos`` on (speculation's rejected guesses)."""
+        import llama_cpp
+
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx.ctx), seq, pos, -1)
+
+    def _proposer(self, sampling: Sampling):
+        """The request's draft proposer (speculate.py), or None: the request's ``speculation`` if it names one,
+        else the model's setting. The step cost is measured the first time a proposer is needed (on the owner
+        thread, between steps: a fraction of a second, once)."""
+        kind = sampling.speculation or self.settings.speculation
+        if kind != "off" and self._step_cost is None:
+            self._step_cost = self._measure_step_cost()
+            log.info("speculation: a step costs %.3f ms per ubatch + %.3f ms per token",
+                     self._step_cost.per_ubatch * 1000, self._step_cost.per_token * 1000)
+        return proposer(kind, self.settings.draft_max, self.settings.draft_min_match)
 
     def _restores_exactly(self, n_tokens: int) -> bool:
         """Whether an imported state of ``n_tokens - 1`` cells is promised to give this context's own
@@ -515,6 +594,7 @@ class LlamaCppBackend(BatchedBackend):
         started = time.perf_counter()
         self._check_fits(len(received.tokens))
         stops = tuple(received.meta.get("stop", ()))
+        drafts = self._proposer(sampling)
         sampler = self._sampler(sampling)
         # an imported state replaces the slot's cells: the lowest free slot; recomputed ids may reuse a prefix
         seq, cached = self._acquire(received.tokens if received.kind == KIND_TOKEN_IDS else None)
@@ -532,7 +612,7 @@ class LlamaCppBackend(BatchedBackend):
                 raise FingerprintMismatch(f"this llama.cpp server cannot continue a {received.kind!r} bundle",
                                           field="kv")
             yield from self._continue(seq, received.tokens, sampler, sampling, stops, cancelled=cancelled,
-                                      started=started, recomputed=recomputed, canary=canary,
+                                      started=started, recomputed=recomputed, canary=canary, drafts=drafts,
                                       extra={"kv_load_time": round(load_time, 6), "method": method,
                                              "prompt_tokens_cached": cached})
             keep = received.tokens
@@ -543,13 +623,14 @@ class LlamaCppBackend(BatchedBackend):
         started = time.perf_counter()
         tokens, stops = self.tokenize(prompt)
         self._check_fits(len(tokens))
+        drafts = self._proposer(sampling)
         sampler = self._sampler(sampling)
         seq, cached = self._acquire(tokens)
         keep = None
         try:
             yield from self._evaluate_all_but_last(seq, tokens, cached)
             yield from self._continue(seq, tokens, sampler, sampling, stops, cancelled=cancelled, started=started,
-                                      recomputed=len(tokens) - 1 - cached,
+                                      recomputed=len(tokens) - 1 - cached, drafts=drafts,
                                       extra={"kv_load_time": 0.0, "method": "decode_only",
                                              "prompt_tokens_cached": cached})
             keep = tokens
@@ -594,12 +675,17 @@ class LlamaCppBackend(BatchedBackend):
         return self._eog
 
     def _continue(self, seq, tokens, sampler, sampling: Sampling, stops, *, cancelled, started, recomputed, extra,
-                  canary: dict | None = None):
+                  canary: dict | None = None, drafts=None):
         """Evaluate the prompt's last token in ``seq`` (which holds the rest), then sample the answer.
 
         With ``canary`` (a handed-over state; ``{}`` when its bundle carried none), the next-token
         distribution is checked against the prefill side's first: ``CanaryMismatch`` before anything
-        is sampled when it is beyond tolerance."""
+        is sampled when it is beyond tolerance.
+
+        The steps come from a ``speculate.Lookahead``: with a proposer (``drafts``) a step may verify
+        guesses, and while the token sampled from a row is the guess after it the next row is sampled
+        without a step; everything else (end of generation, stop strings, the budget, cancellation)
+        is checked per token as without."""
         import llama_cpp
 
         stop = tuple(sampling.stop) + tuple(s for s in stops if s not in sampling.stop)
@@ -609,7 +695,8 @@ class LlamaCppBackend(BatchedBackend):
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         text, sent, generated, finish, cut_at_stop = "", 0, 0, "length", False
         t_gen = time.perf_counter()
-        ev = Eval(seq, [tokens[-1]], len(tokens) - 1)
+        look = Lookahead(seq, tokens, drafts, self._drop_cells)
+        ev = look.first()
         yield ev
         recomputed += 1
         if canary is not None:
@@ -621,9 +708,9 @@ class LlamaCppBackend(BatchedBackend):
                 sampler.close()
                 raise
         first_at = time.perf_counter()
-        pos = len(tokens)
         while True:
-            token = llama_cpp.llama_sampler_sample(sampler.sampler, self.ctx.ctx, ev.row)
+            token = llama_cpp.llama_sampler_sample(sampler.sampler, self.ctx.ctx, look.row)
+            guessed = look.sampled(token)
             if llama_cpp.llama_vocab_is_eog(vocab, token):
                 finish = "stop"
                 break
@@ -640,9 +727,8 @@ class LlamaCppBackend(BatchedBackend):
             if generated >= budget or cancelled():
                 finish = "cancelled" if cancelled() else "length"
                 break
-            ev = Eval(seq, [token], pos)
-            pos += 1
-            yield ev
+            if not guessed:  # else the guess's KV is in place and the next row is ready
+                yield look.step(token, budget - generated)
         sampler.close()
         if not cut_at_stop:
             text += decoder.decode(b"", final=True)
@@ -661,6 +747,8 @@ class LlamaCppBackend(BatchedBackend):
             "finish_reason": finish,
             **extra,
         }
+        if drafts is not None:
+            metrics.update(speculation=sampling.speculation or self.settings.speculation, **look.finish())
         if extra["method"] != "kv_handoff":  # the prompt was computed here: say how long it took
             metrics["prompt_eval_time"] = round(t_gen - started, 6)
             metrics["prompt_eval_speed"] = rate(recomputed, t_gen - started)  # the tokens evaluated here

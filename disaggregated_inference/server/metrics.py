@@ -56,6 +56,12 @@ class ServerMetrics:
         self.prompt_tokens_evaluated = Counter("disagg_prompt_tokens_evaluated", "Prompt tokens this server "
                                                "evaluated (cached / (cached + evaluated) is the prefix cache's "
                                                "hit share)", registry=r)
+        # speculative decoding (backends/speculate.py): accepted / draft is the drafts' acceptance; each
+        # accepted token is a model step saved
+        self.draft_tokens = Counter("disagg_draft_tokens", "Guessed tokens verified by speculative decoding",
+                                    registry=r)
+        self.accepted_tokens = Counter("disagg_accepted_tokens", "Guessed tokens that speculative decoding kept "
+                                       "(each one a model step saved)", registry=r)
         self.queue_seconds = Histogram("disagg_queue_seconds", "Time a request waited for a slot",
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.slow_transfers = Counter("disagg_slow_kv_transfers", "KV transfers slower than the warning threshold",
@@ -177,6 +183,10 @@ class ServerMetrics:
             self.canary_checks.labels(result=metrics["canary"]).inc()
         if metrics.get("canary_divergence") is not None:
             self.canary_divergence.observe(metrics["canary_divergence"])
+        if metrics.get("draft_tokens"):
+            self.draft_tokens.inc(metrics["draft_tokens"])
+        if metrics.get("accepted_tokens"):
+            self.accepted_tokens.inc(metrics["accepted_tokens"])
 
     def observe_canary_failure(self, divergence) -> None:
         self.canary_failures.inc()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from ..backends.base import Prompt, Sampling
+from ..backends.speculate import PROPOSERS
 from ..errors import BadRequest, PayloadTooLarge
 from ..kv.receive import KVRef
 
@@ -191,6 +192,10 @@ def parse_sampling(body: dict, limits: Limits = DEFAULT_LIMITS) -> Sampling:
             raise BadRequest("'ignore_eos' cannot be combined with a JSON schema", field="ignore_eos")
     for i, seq in enumerate(stop):
         check_text(seq, "stop")
+    speculation = _typed(body, "speculation", str, None, what=f"one of {', '.join(PROPOSERS)}")
+    if speculation is not None and speculation not in PROPOSERS:
+        raise BadRequest(f"'speculation' must be one of {', '.join(PROPOSERS)}, got {speculation!r}",
+                         field="speculation")
     return Sampling(
         max_new_tokens=max_new,
         temperature=float(_number(body, "temperature", 0.0, 0.0, 5.0)),
@@ -200,12 +205,13 @@ def parse_sampling(body: dict, limits: Limits = DEFAULT_LIMITS) -> Sampling:
         stop=tuple(stop),
         json_schema=schema,
         ignore_eos=_typed(body, "ignore_eos", bool, False, what="a boolean"),
+        speculation=speculation,
     )
 
 
 PROMPT_KEYS = {"prompt", "messages", "raw", "system", "model"}
 SAMPLING_KEYS = {"max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                 "json_schema", "format", "stream", "ignore_eos"}
+                 "json_schema", "format", "stream", "ignore_eos", "speculation"}
 
 
 def parse_prefill(body, limits: Limits = DEFAULT_LIMITS, max_lease_seconds: float = 3600.0) -> PrefillRequest:

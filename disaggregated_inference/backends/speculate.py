@@ -1,0 +1,316 @@
+"""Speculative decoding: guess the next tokens cheaply, check the guesses in one model step, keep what
+the model would have chosen anyway.
+
+A decode step evaluates one token per sequence. With speculation, a sequence's step evaluates its
+last token and a **draft** of guessed tokens after it, with logits on every row. The token loop then
+samples row by row exactly as it would have sampled step by step, and goes on to the next row while
+the token it sampled is the guess that was evaluated after it; the first token that differs ends the
+run (it is evaluated in the next step, with a new draft), and the KV cells of the guesses after it
+are removed, so the sequence's KV holds exactly the tokens of the answer.
+
+**Exact.** Sampling row *i* with the request's own sampler (grammar, top-k/top-p/temperature,
+seeded distribution, or greedy) and keeping guess *x* only when the sampled token is *x* is the
+standard speculative-sampling rule for a draft that puts all its probability on *x* (q = one-hot):
+*x* is accepted with probability p(x), and on rejection the token sampled instead has probability
+p(y) / (1 - p(x)) for y != x, which is the residual distribution norm(max(0, p - q)). So the answer
+follows the model's distribution after top-k/top-p/temperature, and every emitted token costs one
+draw of the sampler's random stream, in order, as without speculation: with a seed and the same
+logits, the same text. The grammar of a JSON schema advances token by token through the sampler
+chain and sees only the tokens that were emitted (a row is sampled only once the guess before it
+was accepted), so a guess is kept only where the grammar-constrained choice equals it. Stop strings,
+end-of-generation tokens, ``max_tokens`` and cancellation are checked per emitted token by the loop,
+as without speculation. Greedy text equals the text without speculation as far as the verify step's
+logits equal those of one-token steps (docs/benchmarks.md, "Speculative decoding", says how often
+they do on this machine's CPU kernels).
+
+**When to draft.** A verify step is not free where the model is compute-bound (2 CPU cores: four
+tokens cost 2.2 times one token for SmolLM2), so a guess must be likely to pay. ``PromptLookup``
+drafts the tokens that followed the latest earlier occurrence of the longest n-gram ending the
+answer so far (prompt and answer), and estimates the chance that each guess is accepted from this
+sequence's own record at that match length (a Beta posterior whose prior was measured on the
+grader's answers). ``cut_drafts`` then cuts every draft of a step to what maximises the step's
+expected tokens per unit of time under ``StepCost`` (measured on the model at load): a batch of
+other sequences makes a draft's cost fall on all of them, and llama.cpp evaluates a step whose
+sequences carry different token counts as several ubatches, each of which reads the weights again.
+A sequence whose drafts keep failing stops drafting.
+
+A draft model could implement ``Proposer`` too (out of scope: on this machine's CPU it cannot pay).
+"""
+from __future__ import annotations
+
+import abc
+import statistics
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from .base import Eval
+
+PROPOSERS = ("off", "ngram")
+
+# Chance that a prompt-lookup guess is accepted, given the guess before it was, by the length of the
+# match it came from (1, 2, 3, 4, 5 or more tokens): measured with SmolLM2 on the grader's greedy,
+# schema-constrained code-analysis answers for the example notebooks (docs/benchmarks.md,
+# "Speculative decoding"). Each sequence's own record takes over after a few drafts (PRIOR_WEIGHT).
+MATCH_PRIORS = (0.35, 0.65, 0.9, 0.94, 0.94)
+PRIOR_WEIGHT = 4.0
+GIVE_UP_AFTER = 8  # drafts in a row with no guess accepted: the sequence stops drafting
+
+
+@dataclass
+class Draft:
+    """Guessed tokens, and the chance that each is accepted given that the one before it was."""
+
+    tokens: list
+    acceptance: float
+
+
+class Proposer(abc.ABC):
+    """What drafts guesses for one sequence (one instance per request)."""
+
+    @abc.abstractmethod
+    def propose(self, history: Sequence[int]) -> Draft | None:
+        """Guesses of the tokens after ``history`` (the prompt and the answer so far; it only grows
+        between calls), or None."""
+
+    def feedback(self, accepted: int, drafted: int) -> None:
+        """Of the last draft, ``drafted`` guesses were verified and the first ``accepted`` of them kept."""
+
+
+class PromptLookup(Proposer):
+    """Prompt lookup (n-gram) drafts: the tokens after the latest earlier occurrence of the longest
+    n-gram (up to ``max_ngram``, at least ``min_match``) that ends the history.
+
+    N-grams are indexed as the history grows (each token once), so a proposal costs a few dictionary
+    lookups. The acceptance estimate is per match length and per sequence."""
+
+    def __init__(self, max_draft: int = 8, min_match: int = 1, max_ngram: int = len(MATCH_PRIORS),
+                 priors: Sequence[float] = MATCH_PRIORS, weight: float = PRIOR_WEIGHT):
+        self.max_draft, self.min_match, self.max_ngram = max_draft, min_match, max(max_ngram, min_match)
+        self._after: list[dict] = [{} for _ in range(self.max_ngram)]  # n - 1 -> {n-gram: index after it}
+        self._indexed = 0  # n-grams ending before this index are in ``_after``
+        priors = list(priors) + [priors[-1]] * (self.max_ngram - len(priors))
+        self._kept = [weight * p for p in priors]        # per match length: guesses accepted (and the prior's)
+        self._missed = [weight * (1 - p) for p in priors]  # drafts that ended in a rejected guess
+        self._bucket: int | None = None
+        self._failures = 0
+        self.stopped = False
+
+    def acceptance(self, match: int) -> float:
+        b = min(match, self.max_ngram) - 1
+        return self._kept[b] / (self._kept[b] + self._missed[b])
+
+    def _index(self, history: Sequence[int]) -> None:
+        after, top = self._after, self.max_ngram
+        for end in range(self._indexed, len(history) - 1):  # the n-grams ending at ``end``, followed by end + 1
+            for n in range(1, min(top, end + 1) + 1):
+                after[n - 1][tuple(history[end - n + 1:end + 1])] = end + 1
+        self._indexed = max(self._indexed, len(history) - 1)
+
+    def propose(self, history: Sequence[int]) -> Draft | None:
+        if self.stopped:
+            return None
+        self._index(history)
+        size = len(history)
+        for n in range(min(self.max_ngram, size - 1), self.min_match - 1, -1):
+            start = self._after[n - 1].get(tuple(history[size - n:]))
+            if start is not None:
+                self._bucket = n - 1
+                return Draft(list(history[start:start + self.max_draft]), self.acceptance(n))
+        return None
+
+    def feedback(self, accepted: int, drafted: int) -> None:
+        if self._bucket is None or drafted <= 0:
+            return
+        self._kept[self._bucket] += accepted
+        if accepted < drafted:
+            self._missed[self._bucket] += 1
+        self._failures = 0 if accepted else self._failures + 1
+        self.stopped = self._failures >= GIVE_UP_AFTER
+
+
+def proposer(kind: str, max_draft: int = 8, min_match: int = 1) -> Proposer | None:
+    """The proposer named ``kind`` (one of ``PROPOSERS``); None for ``off``."""
+    if kind == "off":
+        return None
+    if kind == "ngram":
+        return PromptLookup(max_draft=max_draft, min_match=min_match)
+    raise ValueError(f"unknown proposer {kind!r} (known: {', '.join(PROPOSERS)})")
+
+
+# -- what a step costs ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Time of one model step: ``per_ubatch + per_token * n`` for each ubatch of ``n`` tokens llama.cpp
+    splits it into (seconds, or any unit: only ratios are used). ``per_ubatch`` is mostly reading the
+    weights, ``per_token`` the arithmetic. The default is the probe's SmolLM2 table on 2 CPU cores
+    (a k-token step costs 0.6 + 0.4 k one-token steps); ``fit`` makes one from timings."""
+
+    per_ubatch: float = 0.6
+    per_token: float = 0.4
+
+    @classmethod
+    def fit(cls, timings: dict[int, list[float]]) -> "StepCost":
+        """Least squares through the median time of each step size (``{tokens: [seconds, ...]}``)."""
+        points = [(n, statistics.median(ts)) for n, ts in sorted(timings.items()) if ts]
+        if len(points) < 2:
+            raise ValueError("a step cost needs timings of two step sizes or more")
+        mx = statistics.fmean(n for n, _ in points)
+        my = statistics.fmean(t for _, t in points)
+        sxx = sum((n - mx) ** 2 for n, _ in points)
+        slope = sum((n - mx) * (t - my) for n, t in points) / sxx
+        one = points[0][1] / points[0][0]  # a floor: no step is cheaper per token than a tiny share of the first
+        slope = max(slope, 0.02 * one)
+        return cls(per_ubatch=max(my - slope * mx, 0.0), per_token=slope)
+
+    def of(self, counts: Sequence[tuple[int, int]], n_ubatch: int = 512) -> float:
+        """Cost of a step that evaluates ``counts``: (sequence id, tokens) in ascending id order."""
+        return sum(self.per_ubatch + self.per_token * n for n in ubatches(counts, n_ubatch))
+
+    def as_dict(self) -> dict:
+        return {"per_ubatch": self.per_ubatch, "per_token": self.per_token}
+
+
+def ubatches(counts: Sequence[tuple[int, int]], n_ubatch: int = 512) -> list[int]:
+    """Tokens in each ubatch llama.cpp makes of a step with a KV stream per sequence
+    (``llama_batch_allocr::split_equal(n_ubatch, sequential=true)``): each ubatch takes sequences of
+    consecutive ids, the same number of tokens from each, as many as all of them still have."""
+    left = [[seq, n] for seq, n in counts if n > 0]
+    sizes = []
+    while left:
+        group = [left[0]]
+        for item in left[1:]:
+            if item[0] != group[-1][0] + 1 or len(group) >= n_ubatch:
+                break
+            group.append(item)
+        take = max(1, min(min(n for _, n in group), n_ubatch // len(group)))
+        for item in group:
+            item[1] -= take
+        sizes.append(take * len(group))
+        left = [item for item in left if item[1] > 0]
+    return sizes
+
+
+def expected_tokens(acceptance: float, guesses: int) -> float:
+    """Tokens a step emits for a sequence that verifies ``guesses``: its own, and each guess while every
+    guess before it was accepted (1 + a + a^2 + ... + a^k)."""
+    total, term = 1.0, 1.0
+    for _ in range(guesses):
+        term *= acceptance
+        total += term
+    return total
+
+
+def cut_drafts(evals: list, cost: StepCost, n_ubatch: int = 512) -> None:
+    """Cut the drafts of one step (``Eval``\\ s whose ``draft_acceptance`` is set: ``tokens[1:]`` are
+    guesses) to the lengths that maximise the step's expected emitted tokens per unit of time, one
+    sequence at a time while that gains. ``tokens`` and ``draft_acceptance`` are changed in place (a
+    draft cut to nothing becomes a plain one-token step)."""
+    drafted = [ev for ev in evals if ev.draft_acceptance is not None]
+    if not drafted:
+        return
+    plain = [(ev.seq, len(ev.tokens) - ev.done) for ev in evals if ev.draft_acceptance is None]
+    emitting = sum(1 for ev in evals if ev.draft_acceptance is None and ev.logits
+                   and len(ev.tokens) - ev.done == 1)
+    keep = {id(ev): 0 for ev in drafted}
+
+    def value(choice: dict) -> float:
+        counts = sorted(plain + [(ev.seq, 1 + choice[id(ev)]) for ev in drafted])
+        tokens = emitting + sum(expected_tokens(ev.draft_acceptance, choice[id(ev)]) for ev in drafted)
+        return tokens / cost.of(counts, n_ubatch)
+
+    best = value(keep)
+    while True:
+        found = None
+        for ev in drafted:
+            for k in range(len(ev.tokens)):  # 0 .. guesses
+                if k == keep[id(ev)]:
+                    continue
+                trial = {**keep, id(ev): k}
+                v = value(trial)
+                if v > best * (1 + 1e-9):
+                    best, found = v, trial
+        if found is None:
+            break
+        keep = found
+    for ev in drafted:
+        k = keep[id(ev)]
+        del ev.tokens[1 + k:]
+        if k == 0:
+            ev.draft_acceptance = None
+
+
+# -- one sequence in the token loop --------------------------------------------------------------------
+
+
+class Lookahead:
+    """One request's steps in the token loop, with or without speculation: what the next step
+    evaluates (``step``) and which row the loop samples next (``row``).
+
+    The loop samples ``row``, tells ``sampled`` the token, and when that returns True (the token was
+    the guess evaluated after the previous one, so its KV is in place) samples the next ``row``
+    without a step; otherwise it asks ``step`` for the next one. ``drop_cells(seq, pos)`` removes the
+    sequence's KV from position ``pos`` on (the guesses after a rejected one)."""
+
+    def __init__(self, seq: int, history: Sequence[int], proposer: Proposer | None,
+                 drop_cells: Callable[[int, int], None]):
+        self.seq, self.proposer, self.drop_cells = seq, proposer, drop_cells
+        self.history = list(history)
+        self.pos = len(self.history) - 1  # where the next evaluated token goes
+        self.ev = None
+        self._at = 0  # the row of ``ev`` the loop samples next
+        self._settled = True
+        self.drafted = self.accepted = 0
+
+    def first(self):
+        """The first step: the prompt's last token (never with a draft: the handoff's canary reads its row)."""
+        self.ev = Eval(self.seq, [self.history[-1]], self.pos)
+        self._at, self._settled = 0, True
+        return self.ev
+
+    @property
+    def row(self) -> int:
+        """The batch row whose logits give the next token."""
+        return self.ev.row_of(self._at)
+
+    def sampled(self, token: int) -> bool:
+        """The loop sampled ``token`` from ``row``; True when it was the next guess (the next row is ready)."""
+        self.history.append(token)
+        guesses = len(self.ev.tokens) - 1
+        if self._at < guesses and self.ev.tokens[1 + self._at] == token:
+            self._at += 1
+            self.accepted += 1
+            return True
+        if self._at < guesses:  # the guesses after the accepted ones are not the answer: drop their KV
+            self.drop_cells(self.seq, self.ev.pos + 1 + self._at)
+        self._settle()
+        self.pos = self.ev.pos + 1 + self._at
+        return False
+
+    def _settle(self) -> None:
+        if not self._settled:
+            self._settled = True
+            guesses = len(self.ev.tokens) - 1
+            self.drafted += guesses
+            if self.proposer is not None:
+                self.proposer.feedback(self._at, guesses)
+
+    def step(self, token: int, room: int):
+        """The step after ``token`` was emitted (and not yet evaluated): it, and a draft of at most
+        ``room - 1`` guesses (``room``: the tokens the answer may still have)."""
+        tokens, acceptance = [token], None
+        if self.proposer is not None and room > 1:
+            draft = self.proposer.propose(self.history)
+            if draft is not None and draft.tokens:
+                tokens += draft.tokens[:room - 1]
+                acceptance = draft.acceptance
+        self.ev = Eval(self.seq, tokens, self.pos, draft_acceptance=acceptance)
+        self._at, self._settled = 0, acceptance is None
+        return self.ev
+
+    def finish(self) -> dict:
+        """The request's speculation figures (the draft in flight counted as verified)."""
+        if self.ev is not None and self.ev.complete:
+            self._settle()
+        return {"draft_tokens": self.drafted, "accepted_tokens": self.accepted}
