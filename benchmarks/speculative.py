@@ -1,0 +1,230 @@
+"""Benchmark: prompt-lookup speculation on a decode server, off against on, in one run on one server.
+
+One decode server (the embedded config's "qwen" model, SmolLM2, ``parallel: 8``, ``--threads``
+threads) serves every row; each request names its proposer (``"speculation": "off"`` or
+``"ngram"``), so both sides run on the same process, the same slots and the same cached prompts.
+Two prompt sets:
+
+- ``code``: the grader's own code-analysis requests (``plan_requests``) for the example notebooks
+  (the four calibration notebooks first), JSON schema, temperature 0 and ``max_tokens`` as the
+  grader sends them;
+- ``free``: free-writing chat prompts (stories, explanations), greedy, ``--free-tokens`` each.
+
+Per prompt set, every prompt is sent once first (one token, speculation off), so its slot's prefix
+cache holds it and the rows measure decoding, not prompt evaluation. Then:
+
+- concurrency 1: each prompt alone, off and ngram alternately (which goes first alternates too,
+  so the machine's noise falls on both alike); ``decode_tok_s`` = the answers' tokens over the
+  server's decode time (``decode_time``: from the prompt's last token to the answer's end);
+- concurrency 8: eight requests at once, off and ngram rounds alternately: the set's first 8 (the
+  code set has 7 code-analysis requests: the grader's feedback request for the first calibration
+  notebook, also schema-constrained, makes the eighth; a shorter set repeats its first prompts, and
+  a repeated prompt finds no cached slot, which costs both sides alike); ``decode_tok_s`` = the
+  answers' tokens over the round's decode window (from the earliest decode start, an answer's
+  arrival less its server decode time, to the last answer's arrival).
+
+Each row: ``proposer``, ``prompts``, ``concurrency``, ``decode_tok_s``, ``acceptance`` (accepted
+over drafted guesses; null for off), ``greedy_equal`` (the ngram answers equal the off answers of
+the same prompts at the same concurrency, every one; the off row is the reference: null),
+``differ`` (how many did not), and the tokens. ``ratios``: ngram over off per prompt set and
+concurrency. Requests go to ``/generate`` (decode-only): the token loop is the one a handoff's
+``/decode`` runs.
+
+    .venv/bin/python benchmarks/speculative.py --json
+    .venv/bin/python benchmarks/speculative.py --quick --json   # seconds: the tiny model, short answers
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import quick  # noqa: E402
+from disaggregated_inference.grading import GradingOptions, load_rubric  # noqa: E402
+from disaggregated_inference.grading.analysis import CODE, plan_requests  # noqa: E402
+from disaggregated_inference.grading.evidence import check_rubric, collect_evidence  # noqa: E402
+from disaggregated_inference.grading.notebook import load_submission  # noqa: E402
+from disaggregated_inference.ops.cluster import LocalCluster  # noqa: E402
+from disaggregated_inference import config as cluster_config  # noqa: E402
+
+FREE = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator keeps food cold, for a curious ten-year-old.",
+    "Describe a walk through a busy market in the early morning.",
+    "Write a letter from a cat to its owner about the new dog.",
+    "Explain why the sky is blue and sunsets are red.",
+    "Tell the story of a small town that wakes up to find every clock stopped.",
+    "Describe what a day on a sailing ship was like two hundred years ago.",
+    "Write a fable about a fox who wanted to learn to fly.",
+]
+SLOTS = 8
+
+
+def code_requests(config) -> tuple[list[dict], list[dict]]:
+    """The grader's code-analysis requests (calibration notebooks first), and its feedback requests, as
+    /generate bodies: prompt, schema, sampling."""
+    options = GradingOptions.for_cluster(config)
+    rubric = load_rubric(ROOT / "examples" / "rubric.yaml")
+    paths = sorted((ROOT / "examples" / "notebooks" / "calibration").glob("*.ipynb"))
+    paths += sorted((ROOT / "examples" / "notebooks").glob("*.ipynb"))
+    out, feedback = [], []
+    for path in paths:
+        sub = load_submission(path)
+        if not sub.ok:
+            continue
+        evidence = collect_evidence(sub.notebook)
+        planned, _ = plan_requests(rubric, sub.notebook, evidence, check_rubric(rubric, evidence), options)
+        for r in planned:
+            (out if r.role == CODE else feedback).append(
+                {"prompt": r.kwargs["prompt"], "json_schema": r.kwargs["json_schema"],
+                 "max_new_tokens": r.kwargs["max_tokens"], "temperature": 0})
+    return out, feedback
+
+
+def free_requests(max_tokens: int) -> list[dict]:
+    return [{"prompt": p, "max_new_tokens": max_tokens, "temperature": 0} for p in FREE]
+
+
+def config_dict(threads: int, tiny: bool) -> dict:
+    data = json.loads((ROOT / "config_current.json").read_text())
+    data = quick.on_tiny_model(data, keep=("qwen",)) if tiny else {
+        **data, "models": {"qwen": data["models"]["qwen"]},
+        "prefill_servers": [s for s in data["prefill_servers"] if s["model"] == "qwen"],
+        "decode_servers": [s for s in data["decode_servers"] if s["model"] == "qwen"]}
+    data["prefill_servers"] = []  # decode-only: one server
+    model = data["models"]["qwen"]
+    # the model's default does not matter (every request names its proposer); "ngram" measures the step
+    # cost at load rather than at the first draft, which would take a slot's cached prompt
+    model.update(parallel=SLOTS, n_threads=threads, speculation="ngram")
+    data["server"].update(queue_timeout=600, max_queue=256)
+    return data
+
+
+def post(url: str, body: dict, proposer: str) -> dict:
+    r = requests.post(f"{url}/generate", json={**body, "speculation": proposer}, timeout=1800)
+    r.raise_for_status()
+    return r.json()
+
+
+def measure(url: str, bodies: list[dict], concurrency: int, rounds: int) -> dict:
+    """{proposer: [answers]} and {proposer: seconds} for one prompt set at one concurrency: the server's
+    decode time at 1; at 8, each round's decode window (from the earliest decode start, an answer's
+    arrival less its decode time, to the last arrival)."""
+    answers = {"off": [], "ngram": []}
+    seconds = {"off": 0.0, "ngram": 0.0}
+    if concurrency == 1:
+        for _ in range(rounds):
+            for i, body in enumerate(bodies):
+                for proposer in (("off", "ngram") if i % 2 == 0 else ("ngram", "off")):
+                    out = post(url, body, proposer)
+                    answers[proposer].append(out)
+                    seconds[proposer] += out["metrics"]["decode_time"]
+        return {"answers": answers, "seconds": seconds}
+    batch = [bodies[i % len(bodies)] for i in range(concurrency)]
+    with ThreadPoolExecutor(concurrency) as pool:
+        for n in range(rounds):
+            for proposer in (("off", "ngram") if n % 2 == 0 else ("ngram", "off")):
+                timed = list(pool.map(lambda body: (post(url, body, proposer), time.perf_counter()), batch))
+                start = min(at - out["metrics"]["decode_time"] for out, at in timed)
+                seconds[proposer] += max(at for _, at in timed) - start
+                answers[proposer].extend(out for out, _ in timed)
+    return {"answers": answers, "seconds": seconds}
+
+
+def rows_of(prompts: str, concurrency: int, measured: dict) -> list[dict]:
+    rows = []
+    off = measured["answers"]["off"]
+    for proposer in ("off", "ngram"):
+        outs = measured["answers"][proposer]
+        tokens = sum(o["metrics"]["completion_tokens"] for o in outs)
+        drafted = sum(o["metrics"].get("draft_tokens", 0) for o in outs)
+        accepted = sum(o["metrics"].get("accepted_tokens", 0) for o in outs)
+        differ = None if proposer == "off" else sum(a["generated_text"] != b["generated_text"]
+                                                     for a, b in zip(outs, off))
+        rows.append({
+            "proposer": proposer, "prompts": prompts, "concurrency": concurrency,
+            "decode_tok_s": round(tokens / measured["seconds"][proposer], 2),
+            "acceptance": round(accepted / drafted, 4) if proposer != "off" and drafted else None,
+            "greedy_equal": None if differ is None else differ == 0,
+            "differ": differ, "requests": len(outs), "completion_tokens": tokens,
+            "seconds": round(measured["seconds"][proposer], 4),
+            "draft_tokens": drafted, "accepted_tokens": accepted,
+            "prompt_tokens_evaluated": sum(o["metrics"].get("prompt_tokens_recomputed", 0) for o in outs),
+        })
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--threads", type=int, default=2, help="the decode server's llama.cpp threads")
+    ap.add_argument("--rounds", type=int, default=1, help="passes over each prompt set and concurrency")
+    ap.add_argument("--free-tokens", type=int, default=160, help="max_tokens of the free-writing prompts")
+    ap.add_argument("--code-tokens", type=int, default=0, help="max_tokens of the code requests (0: the grader's)")
+    ap.add_argument("--limit", type=int, default=0, help="the first N prompts of each set only (0: all)")
+    quick.add_argument(ap)
+    args = quick.apply(ap, ap.parse_args(argv), threads=1, free_tokens=24, code_tokens=32, limit=3)
+
+    data = config_dict(args.threads, args.quick)
+    bodies8: dict[str, list[dict]] = {}
+    code, feedback = code_requests(cluster_config.coerce(json.loads((ROOT / "config_current.json").read_text())))
+    sets = {"code": code, "free": free_requests(args.free_tokens)}
+    fill = {"code": feedback[:1], "free": []}  # the eighth concurrent request where a set has 7
+    for name, bodies in sets.items():
+        if args.limit:
+            del bodies[args.limit:]
+        if not args.limit and len(bodies) < SLOTS:
+            bodies8[name] = bodies + fill[name][:SLOTS - len(bodies)]
+        if args.code_tokens and name == "code":
+            for b in bodies + fill[name]:
+                b["max_new_tokens"] = args.code_tokens
+    rows = []
+    with LocalCluster(data, free_ports=True) as cluster:
+        cluster.wait_healthy(timeout=600)
+        url = cluster.processes[0].url
+        quick.say(f"decode server up: {url}")
+        for name, bodies in sets.items():
+            for body in bodies8.get(name, bodies):  # into the prefix cache: 8 slots hold one set's prompts
+                post(url, {**body, "max_new_tokens": 1}, "off")
+            for concurrency in (1, SLOTS):
+                quick.say(f"{name} prompts, concurrency {concurrency} ...")
+                sent = bodies8.get(name, bodies) if concurrency > 1 else bodies
+                new = rows_of(name, concurrency, measure(url, sent, concurrency, args.rounds))
+                for r in new:
+                    quick.say(f"  {r['proposer']:5s} {r['decode_tok_s']:8.2f} tok/s  acceptance {r['acceptance']}  "
+                              f"greedy_equal {r['greedy_equal']}")
+                rows += new
+        describe = requests.get(f"{url}/health", timeout=30).json()
+    by = {(r["proposer"], r["prompts"], r["concurrency"]): r for r in rows}
+    ratios = {f"{p}_c{c}": round(by[("ngram", p, c)]["decode_tok_s"] / by[("off", p, c)]["decode_tok_s"], 3)
+              for p in sets for c in (1, SLOTS)}
+    result = {
+        "quick": args.quick,
+        "model": "tiny llama (generated)" if args.quick else data["models"]["qwen"]["model"],
+        "threads": args.threads, "slots": SLOTS, "rounds": args.rounds,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "step_cost": (describe.get("model_info") or describe.get("backend") or {}).get("speculation")
+        if isinstance(describe, dict) else None,
+        "rows": rows,
+        "ratios": ratios,
+        "all_greedy_equal": all(r["greedy_equal"] for r in rows if r["greedy_equal"] is not None),
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
