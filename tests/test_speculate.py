@@ -1,0 +1,321 @@
+"""Speculative decoding (backends/speculate.py) in the llama.cpp token loop, in process on the tiny llama.
+
+The proposer's and the step-cost model's arithmetic first; then the token loop itself, driven by an
+``Oracle`` proposer that drafts the answer the model gives without speculation (from a first run),
+with wrong guesses where a test wants rejections: every path of the loop (accepted runs, rejected
+guesses whose cells are removed, an end-of-generation token, a stop string and ``max_tokens``
+inside an accepted run, cancellation mid-verification, a batch of sequences verifying together)
+is taken on purpose, not left to what prompt lookup happens to find. The step cost is set so that
+every draft is verified whole (``cut_drafts`` is tested on its own). Through real servers:
+tests/test_speculation_e2e.py.
+"""
+from __future__ import annotations
+
+import pytest
+
+from disaggregated_inference.backends import ModelSettings, create
+from disaggregated_inference.backends.base import Eval, Prompt, Sampling
+from disaggregated_inference.backends.speculate import (GIVE_UP_AFTER, Draft, Proposer, PromptLookup, StepCost,
+                                                        cut_drafts, expected_tokens, ubatches)
+
+from .conftest import tiny_model_settings
+
+PROMPT = Prompt(text="one two three four five six seven eight nine ten " * 6)
+OTHER = Prompt(text="Revenue by region rose four percent in the north; returns fell. " * 4 + "Summarise.")
+SCHEMA = {"type": "object", "properties": {"region": {"type": "string", "maxLength": 12},
+                                           "score": {"type": "integer"}}, "required": ["region", "score"]}
+FREE = StepCost(per_ubatch=1.0, per_token=0.001)  # drafts are nearly free: every draft is verified whole
+
+
+# -- the proposer and the cost model --------------------------------------------------------------------
+
+
+def test_prompt_lookup_drafts_what_followed_the_longest_match():
+    p = PromptLookup(max_draft=4, min_match=1)
+    history = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
+    draft = p.propose(history)
+    # "1 2 3" occurred once, followed by 4 5 9 2 ("2 3" last occurred followed by 7: the longer match wins)
+    assert draft.tokens == [4, 5, 9, 2]
+    assert 0 < draft.acceptance < 1
+    assert p.propose([5, 6]) is None or p.propose([5, 6]).tokens != []  # a new history is only appended to
+
+
+def test_prompt_lookup_learns_from_feedback_and_gives_up():
+    p = PromptLookup(max_draft=4, min_match=1)
+    history = [1, 2, 3, 1, 2]
+    first = p.propose(history).acceptance
+    p.feedback(4, 4)
+    assert p.propose(history + [3]).acceptance > first  # accepted guesses raise the estimate
+    for _ in range(GIVE_UP_AFTER):
+        assert p.propose(history) is not None
+        p.feedback(0, 3)
+    assert p.stopped and p.propose(history) is None
+
+
+def test_prompt_lookup_respects_the_minimum_match():
+    assert PromptLookup(min_match=3).propose([1, 2, 9, 1, 2]) is None  # only a 2-token match
+    assert PromptLookup(min_match=2).propose([1, 2, 9, 1, 2]).tokens == [9, 1, 2]
+
+
+def test_ubatches_follow_llama_cpp_split_equal():
+    assert ubatches([(0, 1), (1, 1), (2, 1)]) == [3]  # consecutive singles: one ubatch
+    assert ubatches([(0, 1), (2, 1)]) == [1, 1]  # a gap splits
+    assert ubatches([(0, 5), (1, 1)]) == [2, 4]  # one token from each, then the rest of the first
+
+
+def test_cut_drafts_keeps_a_likely_draft_and_drops_an_unlikely_one():
+    cost = StepCost(per_ubatch=0.6, per_token=0.4)  # the probe's SmolLM2 on 2 cores
+    likely = Eval(0, [7, 1, 2, 3, 4], 10, draft_acceptance=0.95)
+    cut_drafts([likely], cost)
+    assert likely.draft_acceptance == 0.95 and len(likely.tokens) > 1
+    unlikely = Eval(0, [7, 1, 2, 3, 4], 10, draft_acceptance=0.2)
+    cut_drafts([unlikely], cost)
+    assert unlikely.tokens == [7] and unlikely.draft_acceptance is None
+
+
+def test_cut_drafts_weighs_the_draft_against_the_whole_step():
+    cost = StepCost(per_ubatch=0.6, per_token=0.4)
+    alone = Eval(0, [7, 1, 2], 10, draft_acceptance=0.6)
+    cut_drafts([alone], cost)
+    crowd = [Eval(0, [7, 1, 2], 10, draft_acceptance=0.6)] + [Eval(s, [5], 10) for s in range(1, 8)]
+    cut_drafts(crowd, cost)
+    # alone the draft pays (1 + .6 + .36 tokens for 1.8 units against 1 for 1); beside seven others, each
+    # guess adds its cost to a step that already emits seven tokens, and it pays no longer
+    assert len(alone.tokens) > 1
+    assert crowd[0].tokens == [7] and crowd[0].draft_acceptance is None
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_step_cost_fit_recovers_a_line():
+    cost = StepCost.fit({1: [1.0, 1.0], 2: [1.4], 4: [2.2], 8: [3.8]})
+    assert cost.per_token == pytest.approx(0.4) and cost.per_ubatch == pytest.approx(0.6)
+    assert cost.of([(0, 4)]) == pytest.approx(2.2)
+
+
+# -- the token loop -----------------------------------------------------------------------------------
+
+
+class Recorder(Proposer):
+    """Never drafts; remembers the longest history it was shown (the prompt and the answer so far)."""
+
+    def __init__(self):
+        self.seen: list[int] = []
+
+    def propose(self, history):
+        if len(history) > len(self.seen):
+            self.seen = list(history)
+        return None
+
+
+class Oracle(Proposer):
+    """Drafts the reference answer's next tokens, with ``wrong`` answer positions guessed wrong."""
+
+    def __init__(self, prompt_len: int, answer: list[int], size: int = 4, wrong: set = frozenset()):
+        self.prompt_len, self.answer, self.size, self.wrong = prompt_len, answer, size, set(wrong)
+        self.verified: list[tuple[int, int]] = []
+
+    def propose(self, history):
+        at = len(history) - self.prompt_len
+        tokens = [t + 1 if at + i in self.wrong else t for i, t in enumerate(self.answer[at:at + self.size])]
+        return Draft(tokens, 0.99) if tokens else None
+
+    def feedback(self, accepted, drafted):
+        self.verified.append((accepted, drafted))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    b = create(ModelSettings.from_dict({**tiny_model_settings(), "parallel": 4, "n_ctx": 1024}))
+    b.load()
+    b._step_cost = FREE
+    yield b
+    b.close()
+
+
+def run(b, prompt, sampling, drafts=None):
+    """One request in process with ``drafts`` as its proposer: (text, metrics)."""
+    original = b._proposer
+    b._proposer = lambda s: drafts
+    try:
+        events, _ = b.run(b.generate(prompt, sampling, lambda: False))
+    finally:
+        b._proposer = original
+    return "".join(e.piece or "" for e in events if e.piece), events[-1].metrics
+
+
+def reference(b, prompt, sampling) -> tuple[int, list[int], str, dict]:
+    """The prompt's length, the answer's tokens (an end-of-generation token last where it ended so), text
+    and metrics, without speculation."""
+    text, metrics = run(b, prompt, sampling)
+    rec = Recorder()
+    longer = Sampling(**{**sampling.__dict__, "max_new_tokens": sampling.max_new_tokens + 2})
+    run(b, prompt, longer, rec)
+    n_prompt = metrics["prompt_tokens"]
+    answer = rec.seen[n_prompt:n_prompt + metrics["completion_tokens"]]
+    assert len(answer) == metrics["completion_tokens"]
+    if metrics["finish_reason"] == "stop":
+        answer.append(b.model.token_eos())
+    return n_prompt, answer, text, metrics
+
+
+def kv_end(b, seq: int) -> int:
+    import llama_cpp
+
+    return llama_cpp.llama_memory_seq_pos_max(llama_cpp.llama_get_memory(b.ctx.ctx), seq)
+
+
+def test_accepted_and_rejected_guesses_give_the_same_greedy_answer(tiny):
+    greedy = Sampling(max_new_tokens=40, temperature=0, ignore_eos=True)
+    n_prompt, answer, text, metrics = reference(tiny, PROMPT, greedy)
+    oracle = Oracle(n_prompt, answer, size=5, wrong={3, 11, 12, 30})
+    got, m = run(tiny, PROMPT, greedy, oracle)
+    assert got == text and m["completion_tokens"] == metrics["completion_tokens"]
+    assert m["draft_tokens"] == sum(d for _, d in oracle.verified)
+    assert m["accepted_tokens"] == sum(a for a, _ in oracle.verified)
+    assert 0 < m["accepted_tokens"] < m["draft_tokens"]  # both paths were taken
+    assert any(a == d for a, d in oracle.verified) and any(a < d for a, d in oracle.verified)
+    # a step per emitted token less every accepted guess
+    assert m["accepted_tokens"] >= m["completion_tokens"] // 2
+
+
+def test_the_sequence_holds_exactly_the_accepted_tokens_after_each_step(tiny):
+    greedy = Sampling(max_new_tokens=24, temperature=0, ignore_eos=True)
+    n_prompt, answer, text, _ = reference(tiny, PROMPT, greedy)
+    oracle = Oracle(n_prompt, answer, size=6, wrong={2, 9})
+    tiny._proposer = lambda s: oracle
+    gen = tiny.generate(PROMPT, greedy, lambda: False)
+    try:
+        item, checked = next(gen), 0
+        while True:
+            if isinstance(item, Eval):
+                if item.draft_acceptance is not None:
+                    # a verify step starts where the answer's KV ends: the rejected guesses' cells are gone
+                    assert kv_end(tiny, item.seq) == item.pos - 1
+                    checked += 1
+                while not item.complete:
+                    tiny.evaluate([item])
+            item = next(gen)
+    except StopIteration:
+        pass
+    finally:
+        del tiny._proposer
+    assert checked >= 3
+
+
+def test_end_of_generation_inside_an_accepted_draft_ends_the_answer_there(tiny):
+    schema = Sampling(max_new_tokens=200, temperature=0, json_schema=SCHEMA)
+    n_prompt, answer, text, metrics = reference(tiny, OTHER, schema)
+    assert metrics["finish_reason"] == "stop" and answer[-1] == tiny.model.token_eos()
+    # the last draft runs past the answer's end: its end-of-generation guess is accepted mid-draft
+    oracle = Oracle(n_prompt, answer + answer[:3], size=6, wrong={5})
+    got, m = run(tiny, OTHER, schema, oracle)
+    assert got == text and m["finish_reason"] == "stop"
+    assert m["completion_tokens"] == metrics["completion_tokens"]
+    assert any(a >= 1 for a, _ in oracle.verified[-1:])
+
+
+def test_the_grammar_keeps_only_guesses_it_would_have_chosen(tiny):
+    schema = Sampling(max_new_tokens=200, temperature=0, json_schema=SCHEMA)
+    n_prompt, answer, text, _ = reference(tiny, OTHER, schema)
+    # guesses the grammar forbids (every fourth one off by one) are rejected, the answer is the same
+    oracle = Oracle(n_prompt, answer, size=6, wrong=set(range(0, len(answer), 4)))
+    got, m = run(tiny, OTHER, schema, oracle)
+    assert got == text and m["accepted_tokens"] < m["draft_tokens"]
+
+
+def test_a_stop_string_inside_an_accepted_run_cuts_the_answer_where_it_would(tiny):
+    greedy = Sampling(max_new_tokens=40, temperature=0, ignore_eos=True)
+    n_prompt, answer, text, _ = reference(tiny, PROMPT, greedy)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stopped = Sampling(max_new_tokens=40, temperature=0, ignore_eos=True, stop=(stop,))
+    want, want_m = run(tiny, PROMPT, stopped)
+    oracle = Oracle(n_prompt, answer, size=8)
+    got, m = run(tiny, PROMPT, stopped, oracle)
+    assert got == want == text[:text.index(stop)]
+    assert m["finish_reason"] == want_m["finish_reason"] == "stop"
+    assert m["completion_tokens"] == want_m["completion_tokens"]
+    assert oracle.verified[-1][0] < oracle.verified[-1][1] or m["accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 9])
+def test_max_tokens_is_never_exceeded_and_no_guess_runs_past_it(tiny, max_new):
+    greedy = Sampling(max_new_tokens=max_new, temperature=0, ignore_eos=True)
+    n_prompt, answer, text, _ = reference(tiny, PROMPT, Sampling(max_new_tokens=20, temperature=0, ignore_eos=True))
+    oracle = Oracle(n_prompt, answer, size=8)
+    got, m = run(tiny, PROMPT, greedy, oracle)
+    want, _ = run(tiny, PROMPT, greedy)
+    assert got == want and m["completion_tokens"] == max_new and m["finish_reason"] == "length"
+    assert m["draft_tokens"] <= max(0, max_new - 1)  # guesses fill the budget, never more
+
+
+def test_seeded_sampling_draws_the_same_answer_with_speculation(tiny):
+    seeded = Sampling(max_new_tokens=30, temperature=0.9, top_k=40, seed=7, ignore_eos=True)
+    n_prompt, answer, text, _ = reference(tiny, PROMPT, seeded)
+    oracle = Oracle(n_prompt, answer, size=4, wrong={6})
+    got, m = run(tiny, PROMPT, seeded, oracle)
+    assert got == text and m["accepted_tokens"] > 0
+
+
+def test_a_request_cancelled_mid_verification_frees_its_slot_and_the_next_is_unaffected(tiny):
+    greedy = Sampling(max_new_tokens=30, temperature=0, ignore_eos=True)
+    n_prompt, answer, text, _ = reference(tiny, PROMPT, greedy)
+    free_before = sorted(tiny._free)
+    tiny._proposer = lambda s: Oracle(n_prompt, answer, size=6, wrong={4, 5, 6, 7})
+    gen = tiny.generate(PROMPT, greedy, lambda: False)
+    try:
+        item = next(gen)
+        while not (isinstance(item, Eval) and item.draft_acceptance is not None and item.pos > n_prompt + 4):
+            if isinstance(item, Eval):
+                while not item.complete:
+                    tiny.evaluate([item])
+            item = next(gen)
+        seq = item.seq
+        tiny.evaluate([item])  # verified, never sampled: the owner closes the generator now
+        gen.close()
+    finally:
+        del tiny._proposer
+    assert sorted(tiny._free) == free_before and kv_end(tiny, seq) == -1
+    # every slot, whatever it held, gives the answer the model gives
+    for _ in range(4):
+        assert run(tiny, PROMPT, greedy)[0] == text
+
+
+def test_sequences_verifying_in_one_step_each_get_their_own_answer(tiny):
+    greedy = Sampling(max_new_tokens=30, temperature=0, ignore_eos=True)
+    refs = [reference(tiny, p, greedy) for p in (PROMPT, OTHER)]
+    oracles = [Oracle(n, a, size=5, wrong={7}) for n, a, _, _ in refs] + [None]
+    gens, pending = [], {}
+    for i, (prompt, drafts) in enumerate(zip((PROMPT, OTHER, PROMPT), oracles)):
+        tiny._proposer = lambda s, d=drafts: d
+        gens.append(tiny.generate(prompt, greedy, lambda: False))
+        pending[i] = next(gens[i])  # the generator takes its proposer when it starts
+    del tiny._proposer
+    texts, metrics = ["", "", ""], [None] * 3
+    live = set(range(3))
+    shared_steps = 0
+    while live:
+        for i in sorted(live):  # each generator runs until it asks for a step
+            if i in pending:
+                continue
+            try:
+                while True:
+                    item = next(gens[i])
+                    if isinstance(item, Eval):
+                        pending[i] = item
+                        break
+                    if item.piece:
+                        texts[i] += item.piece
+                    if item.metrics:
+                        metrics[i] = item.metrics
+            except StopIteration:
+                live.discard(i)
+        if not pending:
+            break
+        evs = list(pending.values())
+        tiny.evaluate(evs)
+        shared_steps += sum(1 for ev in evs if ev.draft_acceptance is not None) > 0 and len(evs) > 1
+        pending = {i: ev for i, ev in pending.items() if not ev.complete}
+    assert texts == [refs[0][2], refs[1][2], refs[0][2]]
+    assert metrics[0]["accepted_tokens"] > 0 and metrics[1]["accepted_tokens"] > 0
+    assert "draft_tokens" not in metrics[2]
+    assert shared_steps > 0
