@@ -262,6 +262,32 @@ def test_hetero():
     assert 0 < imported["kv_bytes"] < exported["bytes"]  # the payload, inside the framed bundle
 
 
+@pytest.mark.slow
+def test_speculative():
+    out = run_quick("speculative.py")
+    rows = out["rows"]
+    assert out["quick"] is True
+    assert {(r["proposer"], r["prompts"], r["concurrency"]) for r in rows} == {
+        (p, s, c) for p in ("off", "ngram") for s in ("code", "free") for c in (1, 8)}
+    assert len(rows) == 8
+    for r in rows:
+        assert r["requests"] == (3 if r["concurrency"] == 1 else 8)  # --quick: three prompts a set
+        assert quotient(r["decode_tok_s"], r["completion_tokens"], r["seconds"], 4, 2)
+        if r["proposer"] == "off":
+            assert r["greedy_equal"] is None and r["acceptance"] is None and r["draft_tokens"] == 0
+        else:
+            assert r["greedy_equal"] == (r["differ"] == 0)
+            assert 0 <= r["accepted_tokens"] <= r["draft_tokens"]
+            assert r["acceptance"] == (round(r["accepted_tokens"] / r["draft_tokens"], 4) if r["draft_tokens"]
+                                       else None)
+    by = {(r["proposer"], r["prompts"], r["concurrency"]): r for r in rows}
+    for key, ratio in out["ratios"].items():
+        prompts, c = key.split("_c")
+        on, off = by[("ngram", prompts, int(c))], by[("off", prompts, int(c))]
+        assert ratio == pytest.approx(on["decode_tok_s"] / off["decode_tok_s"], abs=2e-3)
+    assert out["all_greedy_equal"] == all(r["greedy_equal"] for r in rows if r["proposer"] == "ngram")
+
+
 def test_every_benchmark_is_run_here():
     """A script added under benchmarks/ without a test above would break unnoticed."""
     scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - HELPERS
