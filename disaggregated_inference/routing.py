@@ -47,6 +47,7 @@ PRIOR_COPY_BYTES_PER_S = 4e9  # export + checksum + import
 PRIOR_FIXED = {HANDOFF: 0.05, LOCAL: 0.01}  # seconds: two requests and a transfer, against one request
 PRIOR_CHARS_PER_TOKEN = 4.0
 MIN_TOKENS_FOR_SPEED = 8  # shorter prompts say more about overheads than about speed
+MIN_CHARS_FOR_RATIO = 256  # shorter prompts are mostly chat template: 7 characters can be 30 tokens
 
 
 class Average:
@@ -103,7 +104,7 @@ class CostModel:
         the client's end-to-end time to first token."""
         with self._lock:
             tokens = dec.get("prompt_tokens") or pre.get("prompt_tokens")
-            if tokens and chars:
+            if tokens and chars >= MIN_CHARS_FOR_RATIO:
                 self._avg("chars_per_token", model).add(chars / tokens)
             if path == HANDOFF:
                 self._observe_handoff(model, prefill, decode, pre, dec, ttft)
