@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import threading
 from pathlib import Path
 
 import streamlit as st
@@ -13,7 +14,7 @@ import streamlit as st
 from disaggregated_inference.client import describe_overlap
 from disaggregated_inference.errors import DisaggError, RubricError
 from disaggregated_inference.grading import GradingOptions, grade_batch, load_rubric
-from disaggregated_inference.grading.connect import decode_slots, require_servers
+from disaggregated_inference.grading.connect import default_jobs, require_servers
 from disaggregated_inference.grading.report import criteria_rows, gradebook_csv, gradebook_rows, render_markdown, \
     render_summary_markdown
 from disaggregated_inference.webui import state
@@ -74,21 +75,38 @@ def choose_notebooks() -> list[Path]:
 
 
 def grade(rubric, paths: list[Path], client, force: bool) -> None:
+    """Grade with a progress bar and a stop button. Pressing Stop (or Streamlit's own stop) reruns
+    the page: Streamlit raises its rerun in the script's next drawing call, the progress callback
+    here; that sets the batch's ``stop`` and the batch ends as the command line's Ctrl-C does
+    (nothing more started, requests in flight cancelled, what was graded kept); then the rerun
+    goes on and the page says what was graded."""
+    st.button("Stop grading", key="stop", help="Stop after cancelling the requests in flight; the notebooks "
+              "graded so far are kept, and Grade continues with the rest")
     bar = st.progress(0.0, text=f"grading {len(paths)} notebooks")
+    stop, interrupted = threading.Event(), []
 
-    def progress(done: int, total: int, name: str, status: str) -> None:
-        bar.progress(done / total if total else 1.0, text=f"{done}/{total} {name}: {status}")
+    def progress(p) -> None:
+        if stop.is_set():
+            return  # stopping: the page is being rerun, nothing more to draw here
+        try:
+            bar.progress(p.done / p.total if p.total else 1.0, text=p.describe())
+        except BaseException as exc:  # Streamlit's rerun or stop: end the batch cleanly first
+            interrupted.append(exc)
+            stop.set()
 
     options = GradingOptions.for_cluster(getattr(client, "config", None))
     try:
         require_servers(client, (options.code_model, options.feedback_model))
         batch = grade_batch(paths, rubric, client, state.out_dir(), options, force=force, progress=progress,
-                            jobs=decode_slots(client))
+                            jobs=default_jobs(client, (options.code_model, options.feedback_model)), stop=stop)
     except DisaggError as exc:
         st.error(f"Grading stopped: {exc.message}")
         return
-    st.session_state["batch"] = {"results": batch.results, "summary": batch.summary,
-                                 "out_dir": str(batch.out_dir), "graded": batch.graded, "resumed": batch.resumed}
+    st.session_state["batch"] = {"results": batch.results, "summary": batch.summary, "out_dir": str(batch.out_dir),
+                                 "graded": batch.graded, "resumed": batch.resumed, "not_graded": batch.not_graded,
+                                 "stopped": batch.stopped}
+    if interrupted:
+        raise interrupted[0]
 
 
 def show_results(batch: dict) -> None:
@@ -102,6 +120,10 @@ def show_results(batch: dict) -> None:
     cols[3].metric("Needs review", len(summary["flagged"]))
     cols[4].metric("Requests in flight (mean)", "-" if inf["overlap"] is None else f"{inf['overlap']:.2f}",
                    help=describe_overlap(inf) + "; requests queued on one server count as in flight: not a speedup")
+    if batch.get("stopped"):
+        st.warning(f"Grading was stopped: {len(batch['graded'])} graded, {len(batch['not_graded'])} not graded "
+                   f"({', '.join(batch['not_graded'])}). Press Grade to grade the rest; the graded ones are kept.",
+                   icon=":material/stop_circle:")
     if batch.get("resumed"):
         st.caption(f"{len(batch['resumed'])} kept from an earlier run (same notebook, same rubric): "
                    + ", ".join(batch["resumed"]))
