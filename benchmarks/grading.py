@@ -1,23 +1,25 @@
 """Grading a class: a generated class of notebooks on one embedded cluster, at several ``--jobs``.
 
-    .venv/bin/python benchmarks/grading.py --json                   # 30 notebooks, --jobs 2, 4, 8: hours here
-    .venv/bin/python benchmarks/grading.py --quick --json           # 4 notebooks on tiny models, --jobs 1, 2, 4
+    .venv/bin/python benchmarks/grading.py --json                   # 30 notebooks, --jobs 4, 8, 2: hours here
+    .venv/bin/python benchmarks/grading.py --quick --json           # 4 notebooks on tiny models, --jobs 2, 4, 1
     .venv/bin/python benchmarks/grading.py --json --jobs 1 2 4 8 --count 40
 
 The class is ``grading/classgen.py``'s (the calibration set, varied; the same every run). The
 embedded cluster of ``--config`` (both models, its slots) is started once and warmed; then the
 class is graded into a fresh folder once per ``--jobs`` value, as ``business_analytics_grader_v2.py``
-grades it (``grade_batch``, paced to the cluster): by default at half the grader's default ``--jobs``,
-at it and at twice it (the embedded cluster: 2, 4, 8). Per run it prints the notebooks per minute, the
-wall time, the requests in flight (their own time over the wall time), the servers the client
-marked down and the decode-only fallbacks, the statuses, and what the servers saw: the most
-requests queued for a slot on any server (``/health`` polled every 0.5 s) and the decode servers'
-time spent waiting for a slot (``disagg_queue_seconds``). ``default_jobs`` is what the grader uses
-when ``--jobs`` is not given, and ``default_vs_best`` its notebooks per minute over the best run's.
+grades it (``grade_batch``, paced to the cluster): by default at the grader's default ``--jobs``,
+at twice it and at half it (the embedded cluster: 4, 8, 2). Per run (also on stderr as it ends):
+the notebooks per minute, the wall time, the requests in flight (their own time over the wall
+time), the servers the client marked down and the decode-only fallbacks, the statuses, and what
+the servers saw: the most requests queued for a slot on any server (``/health`` polled every
+0.5 s) and the decode servers' time spent waiting for a slot (``disagg_queue_seconds``).
+``default_jobs`` is what the grader uses when ``--jobs`` is not given, and ``default_vs_best`` its
+notebooks per minute over the best run's.
 
 ``--quick`` runs the same on a cluster of generated tiny models (random weights, tests/tiny_models.py;
 answers cut at 48 tokens): real servers, real pacing and deadlines, answers that mean nothing (the
-JSON says so), in about a minute. Figures on a machine shared with other work are noisy: say so where they are recorded.
+JSON says so), in about a minute. Figures on a machine shared with other work are noisy: say so
+where they are recorded.
 """
 from __future__ import annotations
 
@@ -165,12 +167,12 @@ def main(argv=None) -> int:
             for model in ("qwen", "gpt-oss"):
                 client.generate(model=model, prompt="Say hello.", max_tokens=4)
             chosen = default_jobs(client)
-            around = [1 if args.quick else max(1, chosen // 2), chosen, 2 * chosen]
-            for jobs in args.jobs or sorted(set(around)):
+            around = [chosen, 2 * chosen, 1 if args.quick else max(1, chosen // 2)]  # the default first
+            for jobs in args.jobs or list(dict.fromkeys(around)):
                 row = run_once(Path(folder), rubric, client, options, jobs, urls)
                 say(f"--jobs {jobs}: {row['notebooks']} notebooks in {row['wall_s']} s "
                     f"({row['notebooks_per_minute']} per minute), {row['servers_marked_down']} servers marked down, "
-                    f"{row['fallbacks']} fallbacks")
+                    f"{row['fallbacks']} fallbacks\n{json.dumps(row)}")
                 runs.append(row)
     best = max(runs, key=lambda r: r["notebooks_per_minute"] or 0)
     default_run = next((r for r in runs if r["jobs"] == chosen), None)

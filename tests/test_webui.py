@@ -3,17 +3,21 @@
 FakeGradingClient returns canned JSON; the pages, the grading flow and the dashboard are what is tested.
 """
 import json
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from disaggregated_inference.grading import grade_batch, load_rubric
 from disaggregated_inference.grading.fakes import FakeGradingClient
 from disaggregated_inference.webui import launcher, state
 
 WEBUI = Path(state.__file__).parent
 APP, DASHBOARD = str(WEBUI / "app.py"), str(WEBUI / "pages" / "1_Dashboard.py")
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "examples" / "notebooks"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+NOTEBOOKS = EXAMPLES / "notebooks"
 
 
 @pytest.fixture(autouse=True)
@@ -83,6 +87,32 @@ def test_upload_notebooks():
     assert list(at.dataframe[0].value["submission"]) == ["alice", "bob"]
     assert list(at.dataframe[0].value["status"]) == ["graded", "invalid"]
     assert len(fake.rounds) == 1
+
+
+def test_a_grading_stopped_by_an_earlier_run_of_the_page_is_shown(out_dir):
+    """Stop (test_webui_browser.py presses it) makes Streamlit start a new run of the page and stop the one
+    grading; that run leaves its outcome in the session's GradingJob, which the new run shows."""
+    stop = threading.Event()
+
+    def stop_after_the_first(p):
+        if p.done == 1:
+            stop.set()
+
+    batch = grade_batch(sorted(NOTEBOOKS.glob("*.ipynb")), load_rubric(EXAMPLES / "rubric.yaml"),
+                        FakeGradingClient(), out_dir, progress=stop_after_the_first, stop=stop)
+    assert batch.stopped and len(batch.graded) == 1
+    job = SimpleNamespace(stop=threading.Event(), done=threading.Event(), error=None, batch={
+        "results": batch.results, "summary": batch.summary, "out_dir": str(out_dir), "graded": batch.graded,
+        "resumed": [], "not_graded": batch.not_graded, "stopped": True})
+    job.done.set()
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.session_state["client"] = FakeGradingClient()
+    at.session_state["grading"] = job
+    at.run()
+    assert not at.exception and job.stop.is_set() and "grading" not in at.session_state
+    assert at.warning[0].value.startswith("Grading was stopped: 1 graded, 3 not graded (good_sales_analysis, "
+                                          "incomplete_sales_analysis, not_a_notebook). Press Grade")
+    assert {m.label: m.value for m in at.metric}["Submissions"] == "1"
 
 
 def test_invalid_rubric_is_reported():

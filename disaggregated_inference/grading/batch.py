@@ -34,7 +34,8 @@ from .report import read_result, result_paths, write_batch_reports, write_result
 from .rubric import Rubric, load_rubric
 
 TICK = 0.5        # s: how often a running batch redraws its progress, looks at the servers and at ``stop``
-STOP_GRACE = 5.0  # s: how long a stopping batch waits for the notebooks whose requests it cancelled
+STOP_GRACE = 3.0  # s: how long a stopping batch waits for the notebooks whose requests it cancelled (a
+#                   stream ends at its next token; a request in prefill ends when that does, not waited for)
 
 
 def find_notebooks(target) -> tuple[list[Path], Path | None]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -23,7 +24,7 @@ from .. import config as cluster_config
 from ..client import describe_overlap
 from ..errors import ConfigError, DisaggError, RubricError
 from .batch import StderrProgress, grade_batch, pending
-from .connect import default_jobs, kill_local_clusters, open_client
+from .connect import default_jobs, hurry_local_clusters, kill_local_clusters, open_client
 from .options import DEFAULT_SEED, GradingOptions
 from .rubric import load_rubric
 
@@ -99,6 +100,15 @@ class Interrupts:
                 signal.signal(sig, handler)
 
 
+@contextmanager
+def _level_kept(logger: logging.Logger):
+    level = logger.level
+    try:
+        yield logger
+    finally:
+        logger.setLevel(level)
+
+
 def _line(message: str) -> None:
     """A message on a line of its own, also when a progress line is being redrawn on the terminal."""
     start = "\n" if sys.stderr.isatty() else ""
@@ -121,16 +131,21 @@ def run(args, interrupts: Interrupts | None = None) -> int:
     def progress(name, message):
         _say(f"  [{name}] {message}")
 
-    with open_client(cfg, local_cluster=args.local_cluster, timeout=args.timeout, progress=progress,
-                     models=(args.code_model, args.feedback_model)) as client:
+    with _level_kept(logging.getLogger("disaggregated_inference.client")) as client_log, \
+            open_client(cfg, local_cluster=args.local_cluster, timeout=args.timeout, progress=progress,
+                        models=(args.code_model, args.feedback_model)) as client:
         options = GradingOptions.for_cluster(client.config, code_model=args.code_model,
                                              feedback_model=args.feedback_model, seed=args.seed)
         jobs = args.jobs or default_jobs(client, (args.code_model, args.feedback_model))
         with interrupts.during_grading() as stop:
             batch = grade_batch(args.target, rubric, client, args.out, options, force=args.force,
                                 progress=progress_bar, jobs=jobs, stop=stop)
-        if batch.stopped and args.local_cluster:
-            _say("grader: stopping the local cluster...")
+        if batch.stopped:
+            # a request the stop abandoned in its prefill fails as its server goes: not news any more
+            client_log.setLevel(logging.ERROR)
+            if args.local_cluster:
+                _say("grader: stopping the local cluster...")
+                hurry_local_clusters()
     return report(batch, args)
 
 

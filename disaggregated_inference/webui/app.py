@@ -74,39 +74,76 @@ def choose_notebooks() -> list[Path]:
     return _save_uploads(files or [], state.out_dir() / "uploads")
 
 
+class GradingJob:
+    """One press of Grade, shared with the page's later runs through the session.
+
+    Pressing Stop (or anything else on the page, or Streamlit's own stop) while grading makes
+    Streamlit start a new run of the page and stop this one at its next drawing call, the progress
+    callback, after which this run may neither draw nor touch the session. So the callback sets
+    ``stop`` (the batch then ends as the command line's Ctrl-C ends it: nothing more started,
+    requests in flight cancelled, what was graded kept), the batch's outcome goes here, and the
+    new run (``collect_stopped``) waits for ``done`` and shows it."""
+
+    def __init__(self):
+        self.stop, self.done = threading.Event(), threading.Event()
+        self.batch: dict | None = None  # what show_results shows
+        self.error: str | None = None
+
+
 def grade(rubric, paths: list[Path], client, force: bool) -> None:
-    """Grade with a progress bar and a stop button. Pressing Stop (or Streamlit's own stop) reruns
-    the page: Streamlit raises its rerun in the script's next drawing call, the progress callback
-    here; that sets the batch's ``stop`` and the batch ends as the command line's Ctrl-C does
-    (nothing more started, requests in flight cancelled, what was graded kept); then the rerun
-    goes on and the page says what was graded."""
+    """Grade with a progress bar and a stop button."""
+    job = st.session_state["grading"] = GradingJob()
     st.button("Stop grading", key="stop", help="Stop after cancelling the requests in flight; the notebooks "
               "graded so far are kept, and Grade continues with the rest")
     bar = st.progress(0.0, text=f"grading {len(paths)} notebooks")
-    stop, interrupted = threading.Event(), []
+    interrupted = []
 
     def progress(p) -> None:
-        if stop.is_set():
-            return  # stopping: the page is being rerun, nothing more to draw here
+        if job.stop.is_set():
+            return  # stopping: this run may not draw any more
         try:
             bar.progress(p.done / p.total if p.total else 1.0, text=p.describe())
-        except BaseException as exc:  # Streamlit's rerun or stop: end the batch cleanly first
+        except BaseException as exc:  # Streamlit stops this run: end the batch cleanly first
             interrupted.append(exc)
-            stop.set()
+            job.stop.set()
 
     options = GradingOptions.for_cluster(getattr(client, "config", None))
     try:
         require_servers(client, (options.code_model, options.feedback_model))
         batch = grade_batch(paths, rubric, client, state.out_dir(), options, force=force, progress=progress,
-                            jobs=default_jobs(client, (options.code_model, options.feedback_model)), stop=stop)
+                            jobs=default_jobs(client, (options.code_model, options.feedback_model)), stop=job.stop)
+        job.batch = {"results": batch.results, "summary": batch.summary, "out_dir": str(batch.out_dir),
+                     "graded": batch.graded, "resumed": batch.resumed, "not_graded": batch.not_graded,
+                     "stopped": batch.stopped}
     except DisaggError as exc:
-        st.error(f"Grading stopped: {exc.message}")
-        return
-    st.session_state["batch"] = {"results": batch.results, "summary": batch.summary, "out_dir": str(batch.out_dir),
-                                 "graded": batch.graded, "resumed": batch.resumed, "not_graded": batch.not_graded,
-                                 "stopped": batch.stopped}
+        job.error = f"Grading stopped: {exc.message}"
+    finally:
+        job.done.set()
     if interrupted:
-        raise interrupted[0]
+        raise interrupted[0]  # Streamlit's: another run of the page shows the outcome
+    collect(job)
+
+
+def collect(job: GradingJob) -> None:
+    """The outcome of a grading, into the session (the results below show it)."""
+    del st.session_state["grading"]
+    if job.error:
+        st.error(job.error)
+    elif job.batch is not None:
+        st.session_state["batch"] = job.batch
+
+
+def collect_stopped() -> None:
+    """A grading that an earlier run of the page left (it was stopped): wait for its end, then show it."""
+    job = st.session_state.get("grading")
+    if job is None:
+        return
+    job.stop.set()  # this run began while it graded: stop it, if its run has not seen that yet
+    if not job.done.is_set():
+        with st.spinner("Stopping: the requests in flight are being cancelled..."):
+            job.done.wait(60)
+    if job.done.is_set():
+        collect(job)
 
 
 def show_results(batch: dict) -> None:
@@ -127,6 +164,8 @@ def show_results(batch: dict) -> None:
     if batch.get("resumed"):
         st.caption(f"{len(batch['resumed'])} kept from an earlier run (same notebook, same rubric): "
                    + ", ".join(batch["resumed"]))
+    if not results:
+        return
     st.dataframe(gradebook_rows(results), hide_index=True)
     for flag in summary["flagged"]:
         st.warning(f"**{flag['submission']}** needs review ({flag['status']}): " + "; ".join(flag["reasons"]))
@@ -162,6 +201,7 @@ def main() -> None:
         st.caption(f"Cluster config: {state.config_path()}")
         st.metric("Servers healthy", f"{sum(map(state.healthy, servers))}/{len(servers)}")
         st.caption("See the Dashboard page for health and request timings.")
+    collect_stopped()
     rubric = choose_rubric()
     paths = choose_notebooks()
     force = st.checkbox("Grade again even if already graded", key="force")
