@@ -246,7 +246,9 @@ def grade_batch(target, rubric, client, out_dir, options: GradingOptions | None 
                 result = grade_notebook(path, rubric, requests, options, name=name)
             except Exception as exc:  # noqa: BLE001 - e.g. MemoryError reading it: this notebook fails, not the batch
                 result = failed_result(Submission(path=path, name=name), rubric, options, exc, time.perf_counter())
-            if requests.stopped:  # cut short by the stop: graded on the next run, not recorded as it is
+            # cut short by the stop (a request cancelled, or failing as the stopping cluster goes away):
+            # graded on the next run, not recorded as it is
+            if requests.stopped or (stop.is_set() and result["status"] not in FINAL_STATUSES):
                 finished.put((i, None))
                 return
             write_result(result, out_dir)
