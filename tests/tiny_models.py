@@ -269,3 +269,13 @@ def write_ollama_store(root: Path) -> dict[str, str]:
             "config": {"mediaType": CONFIG_TYPE, **blob(json.dumps(config).encode())}, "layers": layers}))
         digests[name] = model["digest"]
     return digests
+
+
+def tiny_cluster_config(parallel: int = 2, n_ctx: int = 4096, n_threads: int = 1) -> dict:
+    """``config_current.json``'s cluster (a prefill and a decode server per model, the same names and
+    aliases) with the tiny models in place of the packaged ones: qwen3moe as "qwen", gpt-oss as
+    "gpt-oss", ``parallel`` slots per server. Their answers are random text; the servers are real."""
+    data = json.loads((Path(__file__).resolve().parents[1] / "config_current.json").read_text())
+    for key, arch in (("qwen", "qwen3moe"), ("gpt-oss", "gpt-oss")):
+        data["models"][key].update(model=str(tiny_gguf(arch)), n_ctx=n_ctx, parallel=parallel, n_threads=n_threads)
+    return data
