@@ -39,6 +39,7 @@ import requests
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import quick  # noqa: E402
 from disaggregated_inference import config as cluster_config  # noqa: E402
 from disaggregated_inference.grading.batch import grade_batch  # noqa: E402
 from disaggregated_inference.grading.classgen import generate_class  # noqa: E402
@@ -123,8 +124,7 @@ def run_once(target: Path, rubric, client, options, jobs: int, urls: dict[str, s
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print every run (default: without the scores)")
-    parser.add_argument("--quick", action="store_true",
-                        help="4 notebooks on generated tiny models (about a minute)")
+    quick.add_argument(parser)  # 4 notebooks on generated tiny models, answers cut at QUICK_TOKENS
     parser.add_argument("--count", type=int, help="notebooks in the class (default 30; --quick: 4)")
     parser.add_argument("--jobs", type=int, nargs="+",
                         help="--jobs values to run (default: half the grader's default, it, twice it; --quick: 1 "
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default=str(ROOT / "config_current.json"))
     parser.add_argument("--autogroup-nice", type=int,
                         help="Linux: niceness of this run's sessions (see throughput.prioritise)")
-    args = parser.parse_args(argv)
+    args = quick.apply(parser, parser.parse_args(argv))  # OpenMP threads that sleep at barriers under --quick
     import psutil
     import throughput
 
@@ -141,9 +141,7 @@ def main(argv=None) -> int:
     throughput.prioritise()
     count = args.count or (4 if args.quick else 30)
 
-    def say(message):
-        print(message, file=sys.stderr, flush=True)
-
+    say = quick.say
     rubric = load_rubric(args.rubric)
     if args.quick:
         from tests.tiny_models import tiny_cluster_config
