@@ -16,6 +16,8 @@ from collections import deque
 from ..client import overlap_figures
 
 FAKE_TIMES = {"code": (0.25, 0.75), "feedback": (0.5, 1.0)}  # (prefill, decode) seconds reported per role
+# what a reasoning model's metrics carry beside its answer; it must never reach a student
+FAKE_REASONING = "PRIVATE-CHAIN-OF-THOUGHT: the student seems weak; be gentle."
 
 
 def role_of(kwargs: dict) -> str:
@@ -87,6 +89,8 @@ class FakeGradingClient:
                    "prefill_speed": 1000.0, "decode_speed": 50.0, "method": "disaggregated",
                    "prefill_server": f"fake-prefill-{model}", "decode_server": f"fake-decode-{model}",
                    "kv_bytes": 0, "finish_reason": "stop"}
+        if kwargs.get("reasoning_effort"):  # a model that reasons before it answers, as gpt-oss does
+            metrics.update(reasoning=FAKE_REASONING, reasoning_tokens=len(FAKE_REASONING) // 3)
         self.history.append({"time": time.time(), "model": model, **metrics})
         return text, metrics
 
