@@ -424,18 +424,29 @@ class DisaggregatedClient:
             return Served(decode_server, method, decode=data, decode_sent_at=sent[-1], decode_connect_retries=retries)
 
         served, notes = self._by_route(model_key, decision, lambda: self._disaggregated(model_key, source, sampling),
-                                       local)
+                                       local, started)
         metrics = served.metrics(started, notes)
         metrics.update(decision.as_metrics())
         self._learn(model_key, source, served, metrics, clean=not notes and not served.decode_connect_retries)
         self._remember(model_key, metrics)
         return served.decode["generated_text"], metrics
 
-    def _by_route(self, model_key: str, decision, handoff, local) -> tuple[Served, list[str]]:
+    def _by_route(self, model_key: str, decision, handoff, local, started: float) -> tuple[Served, list[str]]:
         """Serve a request the way ``decision`` chose: ``local("decode_only")`` when the router kept it
         on the decode server; else ``handoff()``, recomputing a lost KV up to ``retries`` times, then
         ``local("decode_only_fallback")`` with a ``FallbackWarning`` when no handoff could be made.
-        Returns (what the chosen call returned, the notes of what went wrong on the way)."""
+        Returns (what the chosen call returned, the notes of what went wrong on the way). A request
+        no server could serve goes into the history too (``error``), then its error is raised."""
+        try:
+            return self._serve_by_route(model_key, decision, handoff, local)
+        except DisaggError as exc:
+            with self._lock:
+                self.history.append({"time": time.time(), "model": model_key, "error": exc.code,
+                                     "error_message": exc.message[:300],
+                                     "total_time": round(time.perf_counter() - started, 6)})
+            raise
+
+    def _serve_by_route(self, model_key: str, decision, handoff, local) -> tuple[Served, list[str]]:
         notes: list[str] = []
         if decision.path == routing.LOCAL:  # chosen, not a fallback: no warning
             return local("decode_only"), notes
@@ -458,8 +469,8 @@ class DisaggregatedClient:
         with self._lock:
             self.history.append({"time": time.time(), "model": model_key, **{k: metrics.get(k) for k in (
                 "method", "prefill_time", "decode_time", "total_time", "prompt_tokens", "completion_tokens",
-                "prefill_speed", "decode_speed", "prefill_server", "decode_server", "kv_bytes", "ttft_end_to_end",
-                "route_reason", "reasoning_tokens")}})
+                "prefill_speed", "decode_speed", "prefill_server", "decode_server", "kv_bytes", "kv_transfer_time",
+                "ttft", "ttft_end_to_end", "prompt_tokens_cached", "canary", "route_reason", "reasoning_tokens")}})
 
     def _handoff(self, model_key: str, source: dict, decode) -> tuple:
         """Prefill on one server (asking for the KV kind the decode servers read), then ``decode(server,
@@ -547,7 +558,7 @@ class DisaggregatedClient:
             return Served(decode_server, method, lines=lines)
 
         served, notes = self._by_route(model_key, decision,
-                                       lambda: self._open_disaggregated(model_key, source, sampling), local)
+                                       lambda: self._open_disaggregated(model_key, source, sampling), local, started)
         lines, served.lines = served.lines, None
         served.first_piece_at = time.perf_counter()  # _open_stream returned once the first line had arrived
         decode_server = served.decode_server

@@ -4,7 +4,7 @@ The unit part (no model) checks their evidence scores; the slow part grades them
 and small packaged models, as the grader's CLI does (several notebooks at once): the order holds, every number
 is traced, and every feedback item a student would see is either a finding of the checks or model text that
 passed the quality checks. That grading the same notebook again gives the same result is
-tests/test_grading_real.py's ``test_a_notebook_graded_again_alone_gets_the_same_result``.
+tests/test_grading_real.py's ``test_a_notebook_graded_again_gets_the_same_result``.
 """
 import pytest
 

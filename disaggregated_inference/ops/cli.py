@@ -24,6 +24,9 @@ DEMO_PROMPTS = {
     "gpt-oss": "Write two sentences of encouraging feedback for a student whose sales analysis notebook "
                "ran without errors but had no charts.",
 }
+# A base model (its GGUF has no chat template: not instruction-tuned, as the Gemma 3 270M stand-in for
+# gpt-oss) answers an instruction with unrelated words; it continues text well. The demo gives it this.
+DEMO_COMPLETION = {"prompt": "Pandas is an open-source Python library that", "raw": True, "stop": ["\n\n"]}
 
 
 def _say(message: str) -> None:
@@ -81,6 +84,10 @@ def _print_result(model: str, text: str, metrics: dict, as_json: bool) -> None:
     print(f"--- {model} ---")
     print(text.strip())
     print()
+    _print_metrics(metrics)
+
+
+def _print_metrics(metrics: dict) -> None:
     rows = [("method", metrics.get("method")),
             ("prefill server", metrics.get("prefill_server")), ("decode server", metrics.get("decode_server")),
             ("prompt tokens", metrics.get("prompt_tokens")), ("completion tokens", metrics.get("completion_tokens")),
@@ -127,6 +134,22 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def base_models(client) -> set:
+    """Model keys whose decode servers run a GGUF without a chat template of its own (a base model:
+    the server applies a built-in template, which does not make it follow instructions)."""
+    client.check_health()
+    infos = [(s.entry.model, s.health.get("model_info") or {}) for s in client.servers.values()
+             if s.entry.role == "decode"]
+    return {model for model, info in infos if "chat_template" in info and info["chat_template"] != "gguf"}
+
+
+def demo_job(model: str, base: bool, max_tokens: int) -> dict:
+    if base:
+        return {"model": model, **DEMO_COMPLETION, "max_tokens": max_tokens, "seed": 0}
+    return {"model": model, "prompt": DEMO_PROMPTS.get(model, "Say hello in one sentence."),
+            "max_tokens": max_tokens, "seed": 0}
+
+
 def cmd_demo(args) -> int:
     from ..client import DisaggregatedClient, describe_overlap
 
@@ -134,8 +157,8 @@ def cmd_demo(args) -> int:
     try:
         with DisaggregatedClient(cluster.config, health_check=False) as client:
             models = args.models or list(client.config.models)
-            jobs = [{"model": m, "prompt": DEMO_PROMPTS.get(m, "Say hello in one sentence."),
-                     "max_tokens": args.max_tokens, "seed": 0} for m in models]
+            base = base_models(client)
+            jobs = [demo_job(m, m in base, args.max_tokens) for m in models]
             _say(f"sending {len(jobs)} prompts in parallel through prefill -> KV handoff -> decode ...")
             results, combined = client.generate_many(jobs)
         failed = 0
@@ -144,7 +167,17 @@ def cmd_demo(args) -> int:
                 failed += 1
                 print(f"--- {job['model']} --- FAILED: {result}")
                 continue
-            _print_result(job["model"], *result, as_json=args.json)
+            if args.json:
+                _print_result(job["model"], *result, as_json=True)
+                continue
+            print(f"--- {job['model']} ---" if not job.get("raw") else
+                  f"--- {job['model']} (a base model, no chat template: it continues text rather than following "
+                  "instructions) ---")
+            text, metrics = result
+            print("prompt:  " + job["prompt"].replace("\n", "\n         "))
+            print("answer:  " + text.strip().replace("\n", "\n         "))
+            print()
+            _print_metrics(metrics)
             print()
         if not args.json:
             print("concurrent: " + describe_overlap(combined))
@@ -228,6 +261,13 @@ def cmd_doctor(args) -> int:
     return 0 if not report.problems else 1
 
 
+def cmd_top(args) -> int:
+    from ..observe import top
+
+    cfg = cluster_config.load(args.config)
+    return top.run(cfg, interval=args.interval, window=args.window, once=args.once)
+
+
 def cmd_models(args) -> int:
     from ..backends.gguf import BUILTIN
 
@@ -303,6 +343,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_doctor)
+
+    p = with_config(sub.add_parser("top", help="live view of a running cluster in the terminal: per-model "
+                                               "timings, slots, queues, handoffs, canary, KV links"))
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between redraws")
+    p.add_argument("--window", type=float, default=300.0, help="seconds the percentiles and rates cover")
+    p.add_argument("--once", action="store_true", help="print one frame (figures since the servers started) "
+                                                     "and exit; 1 when a server is not up")
+    p.set_defaults(func=cmd_top)
 
     p = sub.add_parser("models", help="list the built-in (packaged) models")
     p.set_defaults(func=cmd_models)

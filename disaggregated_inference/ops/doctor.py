@@ -10,7 +10,8 @@ What it checks, each failure a row with a fix:
 - the data path: each decode server pulls a test blob from each prefill server of its model
   (``POST /kv/probe`` on the decode server, ``GET /kv/probe`` on the prefill server, the path and
   token a KV bundle takes); the throughput and a KV-bytes-per-token figure measured by one small
-  real prefill give the handoff time of 2k/8k/32k-token prompts;
+  real prefill give the handoff time of 2k/8k/32k-token prompts; each decode server keeps its last
+  probe's throughput (``disagg_kv_probe_bytes_per_second``), the capacity the dashboards show;
 - the API token: the client's token opens every server, and every server the config gives a
   token really requires one; clocks within a few seconds of this machine's.
 
@@ -77,6 +78,19 @@ class Doctor:
                     self._check_pair(model, p, health[p.name], d, health[d.name], per_token)
         self.http.close()
         return self.report
+
+    def measure_links(self) -> list:
+        """Only the data paths: each decode server pulls the probe from each prefill server of its model.
+        The decode servers keep each result (``disagg_kv_probe_bytes_per_second``), which the dashboards
+        show as the link's capacity. Returns the pairs' rows; problems go to the report as in ``run``."""
+        for model in self.cfg.models:
+            for p in (e for e in self.cfg.prefill_servers if e.model == model):
+                for d in (e for e in self.cfg.decode_servers if e.model == model):
+                    row = {"model": model, "prefill": p.name, "decode": d.name}
+                    self.report.pairs.append(row)
+                    self._measure_path(f"{model}: {p.name} -> {d.name}", p, d, row, None)
+        self.http.close()
+        return self.report.pairs
 
     def _check_config_tokens(self) -> None:
         server_token, client_token = self.cfg.server.get("api_token"), self.token

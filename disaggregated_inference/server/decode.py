@@ -187,8 +187,7 @@ def create_app(config=None, backend=None) -> Flask:
                                     socket_buffer=settings.kv_socket_buffer_bytes,
                                     sources=settings.trusted_kv_sources,
                                     progress_timeout=settings.kv_progress_timeout, room=st.backend.receive_room())
-            st.metrics.kv_bytes.inc(extra["kv_bytes"])
-            st.metrics.kv_transfer_seconds.observe(extra["kv_transfer_time"])
+            st.metrics.observe_pull(req.kv.url, extra["kv_bytes"], extra["kv_transfer_time"])
             if extra["kv_transfer_time"] > settings.slow_transfer_seconds:
                 st.metrics.slow_transfers.inc()
                 log.warning("slow KV transfer: bytes=%d seconds=%.3f url=%s (continuing)", extra["kv_bytes"],
@@ -215,5 +214,5 @@ def create_app(config=None, backend=None) -> Flask:
         return run_events(events, received_at, {"handoff": "none", "kv_bytes": 0, "queue_time": round(events.queue_time, 6)},
                           req.stream, st.metrics.observe_decode)
 
-    probe.register_decode(app, settings)  # POST /kv/probe: measure the path from a prefill server
+    probe.register_decode(app, settings, st.metrics)  # POST /kv/probe: measure the path from a prefill server
     return app

@@ -1,11 +1,18 @@
 """Prometheus metrics of one server, exposed at ``GET /metrics``.
 
 Each app has its own registry (tests run several apps in one process).
-Resource figures (memory, CPU, GPU) are read when scraped.
+Resource figures (memory, CPU, GPU) are read when scraped. A server serves one
+model: ``disagg_server_info`` (value 1) carries its name, role and model, and a
+dashboard joins on it (``* on(instance) group_left(model) disagg_server_info``)
+rather than every series repeating the model. ``deploy/grafana/disagg.json``
+queries these names; tests/test_dashboards.py checks them against live servers.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import time
+from urllib.parse import urlsplit
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from . import resources
 
@@ -13,9 +20,17 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 SPEED_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000)
 
 
+def kv_source(url: str) -> str:
+    """The ``source`` label of a KV pull: the prefill server's host:port as the decode server reached it."""
+    return urlsplit(url).netloc or "unknown"
+
+
 class ServerMetrics:
-    def __init__(self, role: str, leases=None):
+    def __init__(self, role: str, leases=None, *, name: str = "", model: str = "", backend: str = "",
+                 version: str = ""):
         r = self.registry = CollectorRegistry()
+        Info("disagg_server", "What this server is: one model, one role", registry=r).info(
+            {"name": name, "role": role, "model": model, "backend": backend, "version": version})
         self.requests = Counter("disagg_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
                                 registry=r)
         self.prefill_seconds = Histogram("disagg_prefill_seconds", "Prompt evaluation time", buckets=LATENCY_BUCKETS,
@@ -42,10 +57,25 @@ class ServerMetrics:
                                         "and were moved on to the answer", registry=r)
         self.prompt_tokens_cached = Counter("disagg_prompt_tokens_cached", "Prompt tokens not evaluated because a "
                                             "free slot still held their KV (the prefix cache)", registry=r)
+        self.prompt_tokens_evaluated = Counter("disagg_prompt_tokens_evaluated", "Prompt tokens this server "
+                                               "evaluated (cached / (cached + evaluated) is the prefix cache's "
+                                               "hit share)", registry=r)
         self.queue_seconds = Histogram("disagg_queue_seconds", "Time a request waited for a slot",
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.slow_transfers = Counter("disagg_slow_kv_transfers", "KV transfers slower than the warning threshold",
                                       registry=r)
+        # per prefill server a decode server pulls from: what the handoffs moved, and the last probe of the
+        # path (disagg doctor: POST /kv/probe); rate(bytes) / rate(seconds) is the pulls' throughput
+        self.kv_pull_bytes = Counter("disagg_kv_pull_bytes", "KV bundle bytes pulled, by prefill server (host:port)",
+                                     ["source"], registry=r)
+        self.kv_pull_seconds = Counter("disagg_kv_pull_seconds", "Time spent pulling KV bundles, by prefill server",
+                                       ["source"], registry=r)
+        self.kv_probe_speed = Gauge("disagg_kv_probe_bytes_per_second", "Throughput of the last probe pull from "
+                                    "a prefill server (disagg doctor): the path's measured capacity", ["source"],
+                                    registry=r)
+        self.kv_probe_time = Gauge("disagg_kv_probe_timestamp_seconds", "When that probe ran (Unix time)",
+                                   ["source"], registry=r)
+        self.probes: dict = {}  # source -> the last probe's figures (for /health)
         # the handoff canary (kv/canary.py): on a decode server, checks by result (passed, failed, absent,
         # unavailable) and failures on their own; on a prefill server, what making a canary costs
         self.canary_checks = Counter("disagg_canary_checks", "Handoff canaries checked, by result", ["result"],
@@ -97,6 +127,37 @@ class ServerMetrics:
         Gauge("disagg_receive_buffer_idle_bytes", "Bytes of freed KV receive buffers kept for reuse",
               registry=self.registry).set_function(pool.idle_bytes)
 
+    def observe_prefill(self, metrics: dict, kv_bytes: int) -> None:
+        """A /prefill this server answered, with the backend's metrics and the bundle's size."""
+        self.prefill_seconds.observe(metrics.get("prefill_time", 0.0))
+        if metrics.get("prompt_tokens_cached"):
+            self.prompt_tokens_cached.inc(metrics["prompt_tokens_cached"])
+        if metrics.get("prompt_tokens_evaluated"):
+            self.prompt_tokens_evaluated.inc(metrics["prompt_tokens_evaluated"])
+        if metrics.get("prefill_speed"):
+            self.prefill_speed.observe(metrics["prefill_speed"])
+            self.observe_prompt_speed(metrics["prefill_speed"])
+        if metrics.get("canary_ms") is not None:
+            self.canary_seconds.observe(metrics["canary_ms"] / 1000)
+        self.kv_bytes.inc(kv_bytes)
+
+    def observe_pull(self, url: str, n_bytes: int, seconds: float) -> None:
+        """A KV bundle this decode server pulled from ``url``."""
+        source = kv_source(url)
+        self.kv_bytes.inc(n_bytes)
+        self.kv_transfer_seconds.observe(seconds)
+        self.kv_pull_bytes.labels(source=source).inc(n_bytes)
+        self.kv_pull_seconds.labels(source=source).inc(seconds)
+
+    def observe_probe(self, url: str, result: dict) -> None:
+        """A probe pull (``POST /kv/probe``) from ``url``: the path's capacity as last measured."""
+        source = kv_source(url)
+        if result.get("bytes_per_second"):
+            self.kv_probe_speed.labels(source=source).set(result["bytes_per_second"])
+            self.kv_probe_time.labels(source=source).set(time.time())
+            self.probes[source] = {"bytes_per_second": result["bytes_per_second"], "bytes": result.get("bytes"),
+                                   "measured_at": time.time()}
+
     def observe_decode(self, metrics: dict) -> None:
         if metrics.get("decode_time") is not None:
             self.decode_seconds.observe(metrics["decode_time"])
@@ -118,6 +179,8 @@ class ServerMetrics:
             self.observe_prompt_speed(metrics["prompt_eval_speed"])
         if metrics.get("prompt_tokens_cached"):
             self.prompt_tokens_cached.inc(metrics["prompt_tokens_cached"])
+        if metrics.get("prompt_tokens_recomputed"):
+            self.prompt_tokens_evaluated.inc(metrics["prompt_tokens_recomputed"])
         if metrics.get("canary"):
             self.canary_checks.labels(result=metrics["canary"]).inc()
         if metrics.get("canary_divergence") is not None:

@@ -66,15 +66,7 @@ def create_app(config=None, backend=None) -> Flask:
         metrics["kv_checksum_time"] = round(checksum_time, 6)
         metrics["queue_time"] = round(reservation.waited, 6)
         metrics["server_time"] = round(time.perf_counter() - started, 6)
-        st.metrics.prefill_seconds.observe(metrics.get("prefill_time", 0.0))
-        if metrics.get("prompt_tokens_cached"):
-            st.metrics.prompt_tokens_cached.inc(metrics["prompt_tokens_cached"])
-        if metrics.get("prefill_speed"):
-            st.metrics.prefill_speed.observe(metrics["prefill_speed"])
-            st.metrics.observe_prompt_speed(metrics["prefill_speed"])
-        if metrics.get("canary_ms") is not None:
-            st.metrics.canary_seconds.observe(metrics["canary_ms"] / 1000)
-        st.metrics.kv_bytes.inc(header.payload_bytes)
+        st.metrics.observe_prefill(metrics, header.payload_bytes)
         log.info("prefill tokens=%d kv_bytes=%d time=%.3fs", len(result.tokens), header.payload_bytes,
                  metrics.get("prefill_time", 0.0))
         return web.json_response({

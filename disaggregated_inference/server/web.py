@@ -71,7 +71,8 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
     backend = backend or backends.create(settings.model)
     backend.canary = CanaryPolicy.from_settings(settings)
     st = ServerContext(settings, ModelOwner(backend, settings.queue_timeout, settings.max_queue), leases=leases,
-                     metrics=ServerMetrics(settings.role, leases))
+                     metrics=ServerMetrics(settings.role, leases, name=settings.name, model=settings.model.name,
+                                           backend=settings.model.backend, version=__version__))
     st.metrics.watch_owner(st.owner)
     app.extensions["disagg"] = st
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
@@ -149,6 +150,8 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
         if st.receive_buffers is not None:
             body["receive_buffers"] = {**st.receive_buffers.stats(),
                                        "socket_buffer_bytes": socket_buffer_in_effect(settings.kv_socket_buffer_bytes)}
+            # the last probe of each prefill server's data path (disagg doctor), by host:port
+            body["kv_probes"] = dict(st.metrics.probes)
         body["resources"] = resources.snapshot()
         return json_response(body, 200 if body["status"] in ("healthy", "loading") else 503)
 

@@ -1,6 +1,7 @@
 """Grade page: choose a rubric and notebooks, grade them with visible progress, read and download the results.
 
-Run with ``python -m disaggregated_inference.webui`` (it calls ``streamlit run`` on this file).
+Run with ``python -m disaggregated_inference.webui`` (it calls ``streamlit run`` on navigation.py,
+which names this page "Grade notebooks").
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from disaggregated_inference.grading import GradingOptions, grade_batch, load_ru
 from disaggregated_inference.grading.connect import decode_slots, require_servers
 from disaggregated_inference.grading.report import criteria_rows, gradebook_csv, gradebook_rows, render_markdown, \
     render_summary_markdown
-from disaggregated_inference.webui import state
+from disaggregated_inference.webui import health, state
 
 UPLOAD_RUBRIC = "Upload a rubric file..."
 EXAMPLES, UPLOADS = "Example notebooks", "Upload notebooks"
@@ -136,10 +137,8 @@ def main() -> None:
     st.title("Business analytics notebook grader")
     client = _client()
     with st.sidebar:
-        servers = client.status()
-        st.caption(f"Cluster config: {state.config_path()}")
-        st.metric("Servers healthy", f"{sum(map(state.healthy, servers))}/{len(servers)}")
-        st.caption("See the Dashboard page for health and request timings.")
+        health.sidebar_health(client)
+        st.caption("The Cluster dashboard page shows timings, throughput, handoffs and KV links.")
     rubric = choose_rubric()
     paths = choose_notebooks()
     force = st.checkbox("Grade again even if already graded", key="force")
