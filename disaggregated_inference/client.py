@@ -35,6 +35,7 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.exceptions import NewConnectionError
 
+from . import chat
 from . import config as cluster_config
 from . import routing
 from .errors import BadRequest, DisaggError, NoServerAvailable, UpstreamError, UpstreamTimeout, from_body
@@ -144,7 +145,13 @@ class Served:
             # prompt tokens whose KV the evaluating server's slot already held (its prefix cache)
             "prompt_tokens_cached": (pre if self.prefill else dec).get("prompt_tokens_cached"),
             "finish_reason": self.decode.get("finish_reason"),
+            # of completion_tokens, those the model reasoned with (None: the server does not say)
+            "reasoning_tokens": dec.get("reasoning_tokens"),
         }
+        # what the model's chat format read apart from the answer: never part of the text
+        for key in ("reasoning", "tool_calls"):
+            if self.decode.get(key):
+                metrics[key] = self.decode[key]
         # the handoff's canary (kv/canary.py): what the decode side found, and what making it cost
         for key in ("canary", "canary_top1_match", "canary_divergence", "canary_tolerance", "canary_check_ms"):
             if key in dec:
@@ -390,13 +397,24 @@ class DisaggregatedClient:
     def generate(self, model: str, prompt: str | None = None, max_tokens: int = 256, temperature: float = 0.0, *,
                  messages: list | None = None, top_p: float = 1.0, seed: int | None = None, stop=None,
                  json_schema: dict | None = None, raw: bool = False, top_k: int | None = None,
-                 system: str | None = None, route: str | None = None) -> tuple[str, dict]:
-        """One request; ``route`` ("auto", "handoff", "decode_only") overrides ``client.route`` for it."""
+                 system: str | None = None, route: str | None = None, tools: list | None = None,
+                 tool_choice=None, reasoning_effort: str | None = None,
+                 reasoning_budget: int | None = None) -> tuple[str, dict]:
+        """One request; ``route`` ("auto", "handoff", "decode_only") overrides ``client.route`` for it.
+
+        The text is the answer alone. A model that reasons (gpt-oss) returns its chain of thought in
+        ``metrics["reasoning"]`` and how many tokens it took in ``metrics["reasoning_tokens"]``;
+        ``reasoning_effort`` (low, medium, high) asks for more or less of it and ``reasoning_budget`` caps
+        it (tokens; by default half of ``max_tokens``), after which the model is moved on to its answer.
+        ``tools`` (functions in the OpenAI API's shape) may be called: the calls are in
+        ``metrics["tool_calls"]`` (``{"name", "arguments"}``, the arguments as JSON text) and
+        ``finish_reason`` is ``tool_calls``; ``tool_choice`` is auto, none, required or a function."""
         started = time.perf_counter()
         model_key = self.config.resolve_model(model)
         source, sampling = _request_bodies(prompt, messages, raw, system=system, max_tokens=max_tokens,
                                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                                           json_schema=json_schema)
+                                           json_schema=json_schema, tools=tools, tool_choice=tool_choice,
+                                           reasoning_effort=reasoning_effort, reasoning_budget=reasoning_budget)
         decision = self._route(model_key, source, route)
 
         def local(method: str) -> Served:
@@ -452,7 +470,7 @@ class DisaggregatedClient:
             self.history.append({"time": time.time(), "model": model_key, **{k: metrics.get(k) for k in (
                 "method", "prefill_time", "decode_time", "total_time", "prompt_tokens", "completion_tokens",
                 "prefill_speed", "decode_speed", "prefill_server", "decode_server", "kv_bytes", "kv_transfer_time",
-                "ttft", "ttft_end_to_end", "prompt_tokens_cached", "canary", "route_reason")}})
+                "ttft", "ttft_end_to_end", "prompt_tokens_cached", "canary", "route_reason", "reasoning_tokens")}})
 
     def _handoff(self, model_key: str, source: dict, decode) -> tuple:
         """Prefill on one server (asking for the KV kind the decode servers read), then ``decode(server,
@@ -509,8 +527,13 @@ class DisaggregatedClient:
     def stream(self, model: str, prompt: str | None = None, max_tokens: int = 256, temperature: float = 0.0, *,
                messages: list | None = None, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
                stop=None, json_schema: dict | None = None, raw: bool = False, system: str | None = None,
-               on_route=None, route: str | None = None):
+               on_route=None, route: str | None = None, tools: list | None = None, tool_choice=None,
+               reasoning_effort: str | None = None, reasoning_budget: int | None = None, parts: bool = False):
         """Like ``generate``, but yield the text pieces as the decode server sends them, then the metrics dict.
+
+        The pieces are the answer's. With ``parts``, the reasoning and the tool calls come too, as they
+        arrive, each a ``chat.Part`` (``kind`` ``reasoning`` with its text, or ``tool_call`` with
+        ``{"name", "arguments"}``); the answer's pieces stay strings. Either way the metrics carry them whole.
 
         Routing, failover, the recompute of a lost KV and the decode-only fallback happen as in
         ``generate`` until the decode server's stream has opened (its answer arrives with the first
@@ -524,7 +547,8 @@ class DisaggregatedClient:
         model_key = self.config.resolve_model(model)
         source, sampling = _request_bodies(prompt, messages, raw, system=system, max_tokens=max_tokens,
                                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                                           json_schema=json_schema)
+                                           json_schema=json_schema, tools=tools, tool_choice=tool_choice,
+                                           reasoning_effort=reasoning_effort, reasoning_budget=reasoning_budget)
         sampling["stream"] = True
         decision = self._route(model_key, source, route)
 
@@ -546,7 +570,7 @@ class DisaggregatedClient:
                 on_route({"method": served.method, "prefill_server": served.prefill_server.entry.address
                           if served.prefill_server else None, "decode_server": decode_server.entry.address,
                           "kv_bytes": kv.get("bytes", 0), "warnings": list(notes)})
-            pieces, final = [], None
+            pieces, reasoning, calls, final = [], [], [], None
             for line in lines:
                 if line.get("error"):
                     err = from_body(502, {k: v for k, v in line.items() if k != "done"})
@@ -556,8 +580,17 @@ class DisaggregatedClient:
                 if line.get("done"):
                     final = line
                     break
-                pieces.append(line.get("text") or "")
-                yield pieces[-1]
+                if line.get("reasoning") is not None:
+                    reasoning.append(line["reasoning"])
+                    if parts:
+                        yield chat.Part(chat.REASONING, line["reasoning"])
+                elif line.get("tool_call") is not None:
+                    calls.append(line["tool_call"])
+                    if parts:
+                        yield chat.Part(chat.TOOL_CALL, line["tool_call"])
+                else:
+                    pieces.append(line.get("text") or "")
+                    yield pieces[-1]
         finally:
             lines.close()
             with self._lock:
@@ -567,7 +600,7 @@ class DisaggregatedClient:
         if not served.method.startswith("decode_only"):
             served.method = final["metrics"].get("method", "disaggregated")
         served.decode = {"generated_text": "".join(pieces), "finish_reason": final.get("finish_reason"),
-                         "metrics": final.get("metrics") or {}}
+                         "metrics": final.get("metrics") or {}, "reasoning": "".join(reasoning), "tool_calls": calls}
         metrics = served.metrics(started, notes)
         metrics.update(decision.as_metrics())
         self._learn(model_key, source, served, metrics, clean=not notes)
@@ -688,8 +721,10 @@ def _raise_kv_lost(server: TrackedServer, exc: DisaggError) -> None:
 
 
 def _request_bodies(prompt, messages, raw, *, system=None, max_tokens, temperature, top_p, top_k=None, seed=None,
-                    stop=None, json_schema=None) -> tuple[dict, dict]:
-    """The prompt part (for /prefill and /generate) and the sampling part (for /decode) of a request."""
+                    stop=None, json_schema=None, tools=None, tool_choice=None, reasoning_effort=None,
+                    reasoning_budget=None) -> tuple[dict, dict]:
+    """The prompt part (for /prefill and /generate) and the sampling part (for /decode) of a request. The tools
+    go in both: the prompt renders them, the decode side reads the calls."""
     if (prompt is None) == (messages is None):
         raise BadRequest("give prompt or messages", field="prompt")
     source = {"messages": messages} if messages is not None else {"prompt": prompt}
@@ -706,6 +741,13 @@ def _request_bodies(prompt, messages, raw, *, system=None, max_tokens, temperatu
         sampling["stop"] = stop
     if json_schema is not None:
         sampling["json_schema"] = json_schema
+    if reasoning_effort is not None:
+        source["reasoning_effort"] = reasoning_effort
+    if reasoning_budget is not None:
+        sampling["reasoning_budget"] = reasoning_budget
+    for key, value in (("tools", tools), ("tool_choice", tool_choice)):
+        if value is not None:
+            source[key] = sampling[key] = value
     return source, sampling
 
 

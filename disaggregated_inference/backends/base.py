@@ -23,6 +23,12 @@ as NAME, so one call takes any engine's options.
 
 A backend that batches (llama.cpp) is a ``BatchedBackend``: the server's owner
 thread drives its requests as generators and steps them together (``evaluate``).
+
+Engines that render chat prompts themselves from a GGUF (llama.cpp, MLX,
+transformers) read them and their answers through the model's chat format
+(``chat/``): their settings are ``ChatSettings`` (the ``chat_format`` option),
+and a generation yields the answer, the reasoning and the tool calls as
+separate ``Event``s.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Iterator
 
+from .. import chat
 from ..kv.canary import CanaryPolicy
 from ..kv.receive import Received  # noqa: F401  (part of the interface: what decode() gets)
 from . import registry
@@ -74,6 +81,15 @@ class ModelSettings:
         return settings_cls(**known)
 
 
+@dataclass(frozen=True)
+class ChatSettings(ModelSettings):
+    """The settings of an engine that renders chat prompts itself and reads its answers by the chat format."""
+
+    chat_format: str = option("auto", "how conversations are written and answers read (chat/): auto (harmony for "
+                                      "gpt-oss, qwen3_coder for a template with Qwen3-Coder's tool calls, else "
+                                      "template), harmony, qwen3_coder or template", choices=chat.FORMAT_NAMES)
+
+
 def settings_class(backend: str) -> type:
     """The settings class of the engine registered as ``backend``; ``ModelSettings`` for an unregistered name."""
     return registry.backend_class(backend).Settings if registry.is_registered(backend) else ModelSettings
@@ -81,12 +97,15 @@ def settings_class(backend: str) -> type:
 
 @dataclass(frozen=True)
 class Prompt:
-    """Either ``text`` (rendered as one user turn unless ``raw``) or chat ``messages``."""
+    """Either ``text`` (rendered as one user turn unless ``raw``) or chat ``messages`` (chat/conversation.py's
+    shapes); the ``tools`` offered and the ``reasoning_effort`` asked for are rendered with them."""
 
     text: str | None = None
     messages: tuple | None = None
     raw: bool = False
     system: str | None = None
+    tools: chat.Tools | None = None
+    reasoning_effort: str | None = None  # low, medium or high: for formats with a reasoning channel
 
 
 @dataclass(frozen=True)
@@ -101,6 +120,8 @@ class Sampling:
     # never end at an end-of-generation token: exactly max_new_tokens (or a stop string), for
     # benchmarks, as llama.cpp's server and vLLM offer; backends without it refuse the request
     ignore_eos: bool = False
+    tools: chat.Tools | None = None     # what the answer may call (parsed out of it; a grammar where needed)
+    reasoning_budget: int | None = None  # reasoning tokens before the model is moved on to its answer
 
 
 @dataclass
@@ -115,10 +136,22 @@ class Prefilled:
 
 @dataclass
 class Event:
-    """One step of a generation: a text ``piece``, or the final ``metrics``."""
+    """One step of a generation: a ``piece`` of the answer, of the ``reasoning``, a ``tool_call``
+    (``{"name", "arguments"}``, the arguments as JSON text), or the final ``metrics``."""
 
     piece: str | None = None
     metrics: dict | None = None
+    reasoning: str | None = None
+    tool_call: dict | None = None
+
+    @classmethod
+    def of(cls, part: "chat.Part") -> "Event":
+        """The event of a chat format's output part."""
+        if part.kind == chat.REASONING:
+            return cls(reasoning=part.value)
+        if part.kind == chat.TOOL_CALL:
+            return cls(tool_call=part.value.as_dict())
+        return cls(piece=part.value)
 
     @property
     def done(self) -> bool:
@@ -167,26 +200,27 @@ def check_fits(n_prompt: int, n_ctx: int, what: str = "this server's context") -
         raise ContextOverflow(f"prompt has {n_prompt} tokens; {what} holds {n_ctx}", field="prompt")
 
 
-def gguf_prompt_tokens(prompt: Prompt, formatter, tokenize) -> tuple[list[int], tuple]:
-    """Token ids of a prompt and the stop strings its chat template adds, for the backends that read a
-    GGUF's vocabulary: ``formatter`` is its chat template (llama-cpp-python's ``Jinja2ChatFormatter``,
-    or None when it has none), ``tokenize(data: bytes, add_bos, special)`` its tokenizer."""
+def gguf_prompt_tokens(prompt: Prompt, chat_format, tokenize) -> tuple[list[int], tuple, str]:
+    """Token ids of a prompt, the stop strings its chat template adds, and the name of the chat format that
+    rendered it (``raw`` for a prompt sent as written), for the backends that read a GGUF's vocabulary:
+    ``chat_format`` is the model's (chat/, or None when it has none), ``tokenize(data: bytes, add_bos,
+    special)`` its tokenizer."""
     from ..errors import BadRequest
 
-    if prompt.raw or (formatter is None and prompt.messages is None):
+    if prompt.raw or (chat_format is None and prompt.messages is None):
+        if prompt.tools is not None:
+            raise BadRequest("'tools' need a chat prompt: send 'messages' (or a prompt that is not raw)",
+                             field="tools")
         text = prompt.text if prompt.system is None else f"{prompt.system}\n\n{prompt.text}"
-        return tokenize(text.encode("utf-8"), add_bos=True, special=False), ()
-    if formatter is None:
+        return tokenize(text.encode("utf-8"), add_bos=True, special=False), (), chat.RAW.name
+    if chat_format is None:
         raise BadRequest("this model has no chat template; send 'prompt' with 'raw': true", field="messages")
     messages = list(prompt.messages or ({"role": "user", "content": prompt.text},))
     if prompt.system:
         messages.insert(0, {"role": "system", "content": prompt.system})
-    try:
-        rendered = formatter(messages=messages)
-    except Exception as exc:  # the template's own raise_exception, or a jinja error
-        raise BadRequest(f"chat template rejected the messages: {exc}", field="messages") from None
-    tokens = tokenize(rendered.prompt.encode("utf-8"), add_bos=not rendered.added_special, special=True)
-    return tokens, tuple(s for s in rendered.stop if s)
+    rendered = chat_format.render(messages, tools=prompt.tools, reasoning_effort=prompt.reasoning_effort)
+    tokens = tokenize(rendered.text.encode("utf-8"), add_bos=rendered.add_bos, special=True)
+    return tokens, rendered.stops, chat_format.name
 
 
 class Backend(abc.ABC):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from flask import current_app, g
 
+from .. import chat
 from .. import config as cluster_config
 from ..client import DisaggregatedClient
 from ..errors import BadRequest, DisaggError, ModelNotFound
@@ -82,18 +83,21 @@ def complete(req: GatewayRequest, api: str) -> tuple[str, dict]:
         raise
     st.metrics.finished(api, label, metrics["method"], "ok")
     st.metrics.duration.labels(api=api, stream="false").observe(time.perf_counter() - g.arrived)
+    if not req.show_reasoning:
+        metrics.pop("reasoning", None)
     return text, metrics
 
 
 def open_stream(req: GatewayRequest, api: str):
     """Start a streamed request: route it and wait for its first piece (errors until then raise here,
     with their status). Returns ``(route, events)``: what is known of the handoff now, and an
-    iterator of ``("piece", text)``, then ``("done", metrics)`` or ``("error", DisaggError)``."""
+    iterator of ``("piece", text)``, ``("reasoning", text)`` and ``("tool_call", {"name", "arguments"})``,
+    then ``("done", metrics)`` or ``("error", DisaggError)``."""
     st = state()
     label = _model_label(req.model)
     arrived = g.arrived
     route: dict = {}
-    pieces = st.client.stream(**req.client_kwargs(), on_route=route.update)
+    pieces = st.client.stream(**req.client_kwargs(), on_route=route.update, parts=True)
     try:
         first = next(pieces)
     except DisaggError as exc:
@@ -115,7 +119,11 @@ def open_stream(req: GatewayRequest, api: str):
                 else:
                     st.metrics.inter_token.labels(model=label).observe(now - last)
                 last = now
-                yield "piece", item
+                if isinstance(item, chat.Part):
+                    if item.kind == chat.TOOL_CALL or req.show_reasoning:
+                        yield item.kind, item.value
+                else:
+                    yield "piece", item
                 item = next(pieces)
         except DisaggError as exc:
             log.warning("stream failed after it started: %s", exc.message)

@@ -18,6 +18,8 @@ from ..client import overlap_figures
 
 FAKE_TIMES = {"code": (0.25, 0.75), "feedback": (0.5, 1.0)}  # (prefill, decode) seconds reported per role
 FAKE_SLOTS = 4  # slots each fake server reports, as /health's slots.total
+# what a reasoning model's metrics carry beside its answer; it must never reach a student
+FAKE_REASONING = "PRIVATE-CHAIN-OF-THOUGHT: the student seems weak; be gentle."
 
 
 def role_of(kwargs: dict) -> str:
@@ -85,14 +87,17 @@ class FakeGradingClient:
         role = role_of(request)
         text = self._answer(role, request)
         prefill, decode = FAKE_TIMES[role]
-        return text, self._metrics(model, prompt, text, prefill, decode)
+        return text, self._metrics(model, prompt, text, prefill, decode, request.get("reasoning_effort"))
 
-    def _metrics(self, model: str, prompt: str | None, text: str, prefill: float, decode: float) -> dict:
+    def _metrics(self, model: str, prompt: str | None, text: str, prefill: float, decode: float,
+                 reasoning_effort: str | None = None) -> dict:
         metrics = {"prefill_time": prefill, "decode_time": decode, "total_time": prefill + decode,
                    "prompt_tokens": len(prompt or "") // 3, "completion_tokens": len(text) // 3,
                    "prefill_speed": 1000.0, "decode_speed": 50.0, "method": "disaggregated",
                    "prefill_server": f"fake-prefill-{model}", "decode_server": f"fake-decode-{model}",
                    "kv_bytes": 0, "finish_reason": "stop"}
+        if reasoning_effort:  # a model that reasons before it answers, as gpt-oss does
+            metrics.update(reasoning=FAKE_REASONING, reasoning_tokens=len(FAKE_REASONING) // 3)
         self.history.append({"time": time.time(), "model": model, **metrics})
         return metrics
 
@@ -170,7 +175,8 @@ class StreamingFakeClient(FakeGradingClient):
                 yield text[at:at + step]
             prefill_time = self.prefill_s
             elapsed = time.perf_counter() - started
-            metrics = self._metrics(model, prompt, text, prefill_time, elapsed - prefill_time)
+            metrics = self._metrics(model, prompt, text, prefill_time, elapsed - prefill_time,
+                                   request.get("reasoning_effort"))
             metrics["total_time"] = round(elapsed, 6)
             yield metrics
         except GeneratorExit:  # closed by the caller before its end

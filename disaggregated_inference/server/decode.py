@@ -4,6 +4,12 @@ Endpoints: ``GET /health``; ``POST /decode`` (a prefill's KV reference, pulled
 from the prefill server, or bare token ids, recomputed); ``POST /generate``
 (prompt -> text entirely on this machine). Both answer JSON, or NDJSON with
 ``"stream": true``: one line per text piece, then a final line with metrics.
+
+A model that reasons or calls tools (its chat format reads them apart, chat/)
+answers them beside the text: ``reasoning`` (its chain of thought, never in
+``generated_text``) and ``tool_calls`` (``{"name", "arguments"}``, the
+arguments as JSON text); a stream has ``{"reasoning": ...}`` and
+``{"tool_call": ...}`` lines between its ``{"text": ...}`` lines.
 """
 from __future__ import annotations
 
@@ -87,16 +93,25 @@ def run_events(events, received_at: float, extra: dict, stream: bool, observe=la
         return out
 
     if not stream:
-        pieces, first_at, metrics = [], None, {}
+        pieces, reasoning, calls, first_at, metrics = [], [], [], None, {}
         for event in events:
             if event.done:
                 metrics = event.metrics
+                continue
+            first_at = first_at or time.perf_counter()
+            if event.reasoning is not None:
+                reasoning.append(event.reasoning)
+            elif event.tool_call is not None:
+                calls.append(event.tool_call)
             else:
-                first_at = first_at or time.perf_counter()
                 pieces.append(event.piece)
         metrics = finish(metrics, first_at)
-        return web.json_response({"generated_text": "".join(pieces), "finish_reason": metrics.pop("finish_reason", None),
-                                  "metrics": metrics})
+        body = {"generated_text": "".join(pieces)}
+        if reasoning:
+            body["reasoning"] = "".join(reasoning)
+        if calls:
+            body["tool_calls"] = calls
+        return web.json_response({**body, "finish_reason": metrics.pop("finish_reason", None), "metrics": metrics})
 
     head = next(events, None)  # errors before the first event propagate from here
     head_at = time.perf_counter()
@@ -110,7 +125,7 @@ def run_events(events, received_at: float, extra: dict, stream: bool, observe=la
                     yield {"done": True, "finish_reason": metrics.pop("finish_reason", None), "metrics": metrics}
                 else:
                     first_at = first_at or (head_at if event is head else time.perf_counter())
-                    yield {"text": event.piece, "done": False}
+                    yield _line(event)
         except DisaggError as exc:
             yield {**exc.to_dict(), "done": True}
         except Exception as exc:  # the stream has started: report in-band, keep serving
@@ -119,6 +134,15 @@ def run_events(events, received_at: float, extra: dict, stream: bool, observe=la
         finally:
             events.close()
     return web.ndjson(lines())
+
+
+def _line(event) -> dict:
+    """A stream's line for one piece of a generation: of the answer, of the reasoning, or a tool call."""
+    if event.reasoning is not None:
+        return {"reasoning": event.reasoning, "done": False}
+    if event.tool_call is not None:
+        return {"tool_call": event.tool_call, "done": False}
+    return {"text": event.piece, "done": False}
 
 
 def create_app(config=None, backend=None) -> Flask:
