@@ -34,6 +34,11 @@ class GgufVocab:
     def is_eog(self, token: int) -> bool:
         return bool(self._llama_cpp.llama_vocab_is_eog(self.llama._model.vocab, token))
 
+    def eog_tokens(self) -> list[int]:
+        """Every end-of-generation token id of the vocabulary (for engines that stop by id themselves)."""
+        vocab = self.llama._model.vocab
+        return [t for t in range(self.llama.n_vocab()) if self._llama_cpp.llama_vocab_is_eog(vocab, t)]
+
     def piece(self, token: int) -> bytes:
         return self.llama.detokenize([token], special=False)
 
