@@ -1,16 +1,15 @@
 """vLLM in process: the prefill engine of the DGX (CUDA build), and its CPU build here and in CI.
 
-**The model.** ``model`` is either a GGUF (a built-in name or a path, as for
-every engine): its weights dequantised once into the Hugging Face directory the
-transformers backend makes (``transformers.model_dir``), float32; or a Hugging
-Face model directory on disk (the DGX: ``Qwen/Qwen3-Coder-30B-A3B-Instruct``,
-``openai/gpt-oss-120b`` as downloaded there), run in its own dtype, with
-``gguf`` naming the GGUF file of the same checkpoint that the decode servers
-load. Either way prompts are tokenized by that GGUF's vocabulary and chat
-template (``gguf_vocab.py``: exactly a llama.cpp server's ids) and vLLM is fed
-token ids (``skip_tokenizer_init``); the GGUF's digest and architecture are the
-identity every bundle names (a directory's claim to be the same checkpoint is
-the operator's; the canary checks it on every handoff).
+**The model.** ``model`` is a GGUF, as for every engine (a built-in name, a path,
+``ollama:NAME``): its vocabulary and chat template tokenize the prompts
+(``gguf_vocab.py``: exactly a llama.cpp server's ids; vLLM is fed token ids,
+``skip_tokenizer_init``) and its digest and architecture are the identity every
+bundle names. vLLM runs either that file's weights, dequantised once into the
+Hugging Face directory the transformers backend makes (``transformers.model_dir``,
+float32), or, with ``weights``, a Hugging Face model directory of the same
+checkpoint (the DGX: ``Qwen/Qwen3-Coder-30B-A3B-Instruct`` as downloaded there, in
+its own dtype). That the directory and the GGUF are the same checkpoint is the
+operator's claim; the canary checks it on every handoff.
 
 **Prefill** sends the whole prompt with ``max_tokens=1`` and ``logprobs=k``.
 The project's KV connector (``vllm_connector.py``, loaded by vLLM through
@@ -65,8 +64,8 @@ _ENVIRONMENT = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE
 
 @dataclass(frozen=True)
 class VllmSettings(ModelSettings):
-    gguf: str = option("", "with a Hugging Face model directory as model: the GGUF of the same checkpoint that the "
-                           "decode servers load (its vocabulary tokenizes prompts; its digest names the weights)")
+    weights: str = option("", "a Hugging Face model directory of the same checkpoint as the model's GGUF, run instead "
+                              "of the GGUF's weights (the GGUF still tokenizes and names the weights)")
     dtype: str = option("auto", "weights and KV dtype (auto: float32 for weights from a GGUF, else the checkpoint's)",
                         choices=("auto", "float32", "bfloat16", "float16"))
     kv_cache_gib: int = option(1, "GiB of KV cache of vLLM's CPU build (its VLLM_CPU_KVCACHE_SPACE)", low=1)
@@ -129,17 +128,16 @@ class VllmBackend(Backend):
                  f"{time.perf_counter() - started:.1f}s")
 
     def _source(self, progress) -> tuple[Path | None, Path, str]:
-        """(a Hugging Face directory or None, the GGUF, where the weights come from)."""
-        path = Path(self.settings.model).expanduser()
-        if path.is_dir():
-            if not (path / "config.json").is_file():
-                raise ConfigError(f"model {self.settings.model!r} is a directory without config.json (not a Hugging "
-                                  "Face model directory)", field="model")
-            if not self.settings.gguf:
-                raise ConfigError("a vllm model that is a Hugging Face directory needs 'gguf': the GGUF of the same "
-                                  "checkpoint that the decode servers load (its vocabulary and identity)", field="gguf")
-            return path, resolve_gguf(self.settings.gguf, progress), "huggingface"
-        return None, resolve_gguf(self.settings.model, progress), "gguf"
+        """(the Hugging Face directory to run, or None: the GGUF's own weights; the GGUF; where the weights come
+        from)."""
+        gguf = resolve_gguf(self.settings.model, progress)
+        if not self.settings.weights:
+            return None, gguf, "gguf"
+        path = Path(self.settings.weights).expanduser()
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"weights {self.settings.weights!r} is not a Hugging Face model directory (no "
+                              "config.json there)", field="weights")
+        return path, gguf, "huggingface"
 
     def _make_engine(self, directory: Path, dtype: str):
         """Runs on the engine's thread."""
@@ -175,8 +173,8 @@ class VllmBackend(Backend):
                         "rope": {"style": "neox", "theta": float(theta if theta is not None else 10000.0)}}
         n_vocab = self.vocab.llama.n_vocab()
         if n_vocab > c.vocab_size:
-            raise ConfigError(f"the GGUF's vocabulary has {n_vocab} tokens, the model's embedding {c.vocab_size}: "
-                              "not the same checkpoint", field="gguf")
+            raise ConfigError(f"the GGUF's vocabulary has {n_vocab} tokens, the weights' embedding {c.vocab_size}: "
+                              "not the same checkpoint", field="weights")
         self._fingerprint = {
             "backend": self.name, "library": "vllm", "library_version": vllm.__version__,
             "torch_version": torch.__version__, "model_sha256": digest, "model_file": gguf_path.name,
@@ -196,7 +194,8 @@ class VllmBackend(Backend):
 
     def describe(self) -> dict:
         return {"model_sha256": self._fingerprint.get("model_sha256"),
-                "weights_from": self._fingerprint.get("weights_from"), "n_ctx": self.settings.n_ctx,
+                "weights_from": self._fingerprint.get("weights_from"), "weights": self.settings.weights or None,
+                "n_ctx": self.settings.n_ctx,
                 "parallel": self.slots, "device": self._device, "prefix_cache": True,
                 "vllm_version": self._fingerprint.get("library_version"),
                 "engine": None if self._engine is None else self._engine.state,
@@ -209,10 +208,6 @@ class VllmBackend(Backend):
         if self.vocab is not None:
             self.vocab.close()
             self.vocab = None
-
-    def served_model(self) -> str:
-        path = Path(self.settings.model)
-        return path.name if path.is_dir() else super().served_model()
 
     # -- the verbs -------------------------------------------------------------------------------
 

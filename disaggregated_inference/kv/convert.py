@@ -168,7 +168,11 @@ def from_neutral(kv: NeutralKV, *, v_trans: bool) -> bytearray:
 
 # llama.cpp RoPE per GGUF architecture, for the archs converted here: llama-family GGUF files had their
 # Q/K rows permuted by the converter, so llama.cpp rotates interleaved pairs ("norm") of K as it caches it.
-ARCH_ROPE = {"llama": ("norm", "interleaved")}
+# The Qwen 3 families are converted with their rows as the checkpoint has them and rotated NEOX-style
+# (llama.cpp's llama_model_rope_type): K is cached in "halves" order, as vLLM and Transformers cache the
+# checkpoint's. That the two engines' K then agree is read from both sources, not yet measured across
+# engines here (no second engine runs qwen3moe in CI); a wrong order is what the canary refuses.
+ARCH_ROPE = {"llama": ("norm", "interleaved"), "qwen3": ("neox", "halves"), "qwen3moe": ("neox", "halves")}
 
 
 def llama_layout(metadata: dict, field: str = "kv_kind") -> dict:
