@@ -12,12 +12,14 @@ What is compared, and against what:
   MLX server's own ``/generate`` for ``N_TOKENS`` tokens.
 - **vLLM -> llama.cpp**: llama.cpp computes with the GGUF's quantized (Q4_1) weights, vLLM with their
   float32 dequantisation, so the same prompt gives each a slightly different distribution, and KV
-  of one continued by the other a third. Measured in process with transformers' KV (equal to vLLM's
-  to 3e-5) imported into llama.cpp: canary divergence 0.08-0.33 over two prompts, flash attention
-  on and off; on the short chat prompt llama.cpp's first token after the import differs from its
-  own one-shot choice (a near tie between "1" and "One"), on the 103-token ``LONG_PROMPT`` the greedy
-  text is its own for 16 tokens. So this pair is held to ``LLAMA_TOLERANCE`` (0.5) on the
-  canary, and to llama.cpp's own greedy text on ``LONG_PROMPT``.
+  of one continued by the other a third. Measured: in process, transformers' KV (equal to vLLM's
+  to 3e-5) imported into llama.cpp gave canary divergences of 0.08-0.33 over two prompts, flash
+  attention on and off; through servers (benchmarks/engines.py, llama.cpp on 2 threads) vLLM's
+  gave up to 0.45 on a 129-token raw prompt. On the short chat prompt llama.cpp's first token after
+  the import differs from its own one-shot choice (a near tie between "1" and "One"); on the
+  103-token ``LONG_PROMPT`` the greedy text is its own for 16 tokens. So this pair is held to
+  ``LLAMA_TOLERANCE`` (0.75, under the canary's own cross-engine 1.0) on the canary, and to
+  llama.cpp's own greedy text on ``LONG_PROMPT``.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ PROMPT = "Name two uses of a pandas groupby."
 LONG_PROMPT = "Explain what a confusion matrix shows, and how precision and recall are computed from it. " * 6
 N_TOKENS = 8
 MLX_TOLERANCE = 1e-3
-LLAMA_TOLERANCE = 0.5
+LLAMA_TOLERANCE = 0.75
 HAS_MLX = importlib.util.find_spec("mlx_lm") is not None
 NEEDS_MLX = pytest.mark.skipif(not HAS_MLX, reason="mlx-lm is not installed")
 
@@ -163,6 +165,19 @@ def test_prefix_cache_hits_are_reported_as_cached_prompt_tokens(urls, http):
     # the bundle of a cache hit is the same KV
     assert http.get(first["kv"]["url"], timeout=60).content[-4096:] == http.get(again["kv"]["url"],
                                                                               timeout=60).content[-4096:]
+
+
+def test_doctor_finds_both_pairs_compatible_and_measures_their_path(vllm_cluster):
+    from disaggregated_inference import config as cluster_config
+    from disaggregated_inference.ops.doctor import Doctor, format_report
+
+    report = Doctor(cluster_config.coerce(vllm_cluster.config), probe_bytes=1 << 20).run()
+    assert report.problems == [], format_report(report)
+    assert {p["decode"] for p in report.pairs} == {p.entry.name for p in vllm_cluster.processes
+                                                   if p.entry.role == "decode"}
+    for pair in report.pairs:
+        assert pair["compatible"] and pair["kind"] == "neutral_kv" and pair["throughput_MB_s"] > 0
+        assert pair["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 4  # float32 K and V of SmolLM2's 30 layers
 
 
 def _served(bytes_server, name: str, header, tokens, payload) -> dict:

@@ -31,8 +31,7 @@ import struct
 import numpy as np
 
 from ..errors import BundleError
-from .neutral import (NeutralKV, check_model, check_shape, decode, encode, reorder_head_dim, to_float32,
-                      validate_meta)
+from .neutral import NeutralKV, check_import, decode, encode, reorder_head_dim, to_float32
 
 # ggml type ids of the cache types we convert, and their neutral names
 GGML_TYPES = {0: "f32", 1: "f16", 30: "bf16"}
@@ -220,16 +219,8 @@ def neutral_as_llama_state(meta: dict, payload, metadata: dict, identity: dict, 
     if type_k != type_v:
         raise BundleError(f"type_k {type_k} and type_v {type_v} differ: a neutral import writes one cache type",
                           field="type_v")
-    meta = validate_meta(meta)
-    check_model(identity, meta["model"])
     layout = llama_layout(metadata, field="kv")
-    check_shape(meta, layout, reorder=True)
-    if meta["pos_start"] != 0:
-        raise BundleError(f"pos_start is {meta['pos_start']}; the cache must start at position 0",
-                          field="meta.neutral.pos_start")
-    if meta["n_kv_tokens"] != n_kv_tokens:
-        raise BundleError(f"n_kv_tokens is {meta['n_kv_tokens']} but the bundle's token ids need {n_kv_tokens}",
-                          field="meta.neutral.n_kv_tokens")
+    meta, _ = check_import(meta, identity, layout, n_kv_tokens)
     if n_kv_tokens == 0:
         raise BundleError("the bundle carries no cached tokens; send the token ids instead",
                           field="meta.neutral.n_kv_tokens")
