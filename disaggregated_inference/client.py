@@ -231,13 +231,24 @@ class DisaggregatedClient:
     # -- server choice and health --------------------------------------------------------------
 
     def _kv_kind(self, model_key: str) -> dict:
-        """``{"kv_kind": "neutral_kv"}`` when the model's decode servers continue neutral bundles but not
-        llama.cpp state (an MLX decode server), as their last /health ``accepts`` said; else nothing
-        (a client that never checked health asks for the prefill backend's own kind)."""
+        """The bundle kind to ask the prefill server for: nothing when every decode server of the model
+        continues what its prefill servers hand over (their last /health ``handoff`` and ``accepts``), else
+        ``{"kv_kind": "neutral_kv"}`` when every one of them reads that (an MLX decode server behind a
+        llama.cpp prefill server). Before the prefill servers' health is known: ``neutral_kv`` when no decode server
+        reads llama.cpp state, else nothing (the prefill backend's own kind)."""
         with self._lock:  # not _candidates(): that advances the round-robin
             accepts = [s.health.get("accepts") for s in self.servers.values()
                        if s.entry.role == "decode" and s.entry.model == model_key and s.up]
-        if accepts and all(a and "neutral_kv" in a and "llama_seq_state" not in a for a in accepts):
+            handed = {s.health.get("handoff") for s in self.servers.values()
+                      if s.entry.role == "prefill" and s.entry.model == model_key and s.up}
+        handed.discard(None)
+        if not accepts or not all(accepts):
+            return {}
+        if handed:  # what the prefill servers hand over is known
+            if all(kind in a for a in accepts for kind in handed):
+                return {}
+            return {"kv_kind": "neutral_kv"} if all("neutral_kv" in a for a in accepts) else {}
+        if all("neutral_kv" in a and "llama_seq_state" not in a for a in accepts):
             return {"kv_kind": "neutral_kv"}
         return {}
 

@@ -223,6 +223,15 @@ def test_engines():
         assert (r["convert_ms"] is None) == (r["pair"] == "mlx->mlx")  # MLX -> MLX converts nothing
         if r["convert_ms"] is not None:
             assert quotient(r["convert_ms_per_mb"], r["convert_ms"], r["kv_bytes"] / 1e6, 2)
+    throughput = out["prefill_throughput"]
+    if any(p.startswith("vllm->") for p in out["pairs"]):  # vLLM installed: its prefill against llama.cpp's
+        assert {(t["engine"], t["concurrency"]) for t in throughput} == {
+            (engine, c) for engine in ("vllm", "llama_cpp") for c in (1, 8)}
+        for t in throughput:
+            assert quotient(t["prompt_tokens_per_s"], t["prompt_tokens"], t["wall_s"], 3, 1)
+            assert t["prompt_tokens_cached"] == 0  # distinct prompts: neither prefix cache may help
+    else:
+        assert throughput == [] and "vllm->mlx" in out["left_out"]
 
 
 @pytest.mark.slow

@@ -54,15 +54,17 @@ class ModelSettings:
     an option of that engine is an attribute like the shared ones: ``settings.flash_attn``.
     """
 
-    backend: str = option(DEFAULT_BACKEND, "the engine: llama_cpp, ollama, mlx, transformers or a plugin's name")
+    backend: str = option(DEFAULT_BACKEND, "the engine: llama_cpp, ollama, mlx, transformers, vllm or a plugin's "
+                                                  "name")
     model: str = option("smollm2", "what the engine loads: smollm2, gemma3-270m, a GGUF path, ollama:NAME (a GGUF "
                                    "Ollama pulled), or the model name the ollama backend asks its daemon for")
     name: str = ""  # the public name (the config's key), e.g. "qwen"; no option: the config sets it
     n_ctx: int = option(4096, "context tokens per request", low=1)
     n_threads: int | None = option(None, "CPU threads the engine computes with (unset: its own default; engines "
                                          "that compute elsewhere ignore it)", low=1)
-    parallel: int = option(4, "requests served at once (llama.cpp: slots batched together each step; Ollama: "
-                              "requests in flight; mlx and transformers serve one at a time)", low=1)
+    parallel: int = option(4, "requests served at once (llama.cpp: slots batched together each step; vLLM: its "
+                              "max_num_seqs; Ollama: requests in flight; mlx and transformers serve one at a time)",
+                           low=1)
 
     def __new__(cls, *args, **kwargs):
         if cls is ModelSettings:

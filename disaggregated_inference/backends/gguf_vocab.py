@@ -72,6 +72,10 @@ class GgufVocab:
     def is_eog(self, token: int) -> bool:
         return token in self._eog
 
+    def eog_tokens(self) -> list[int]:
+        """Every end-of-generation token id of the vocabulary (for engines that stop by id themselves)."""
+        return sorted(self._eog)
+
     def piece(self, token: int, special: bool = False) -> bytes:
         return self.llama.detokenize([token], special=special)
 

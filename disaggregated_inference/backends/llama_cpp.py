@@ -5,7 +5,9 @@ KV with the per-sequence state API; decode imports it and continues from the
 last prompt token, so the decode machine evaluates one prompt token instead of
 N. The monolithic ``generate`` evaluates the prompt the same way (all but the
 last, then the last), so the fallback and the handoff give the same greedy text
-on full-attention models.
+on full-attention models. Decode also continues another engine's ``neutral_kv``
+(vLLM's, transformers', MLX's), written as this context's own state on import
+(``kv/convert.py``: K's head-dim order, the cache type, V transposed or not).
 
 **Slots and continuous batching.** One context holds ``parallel`` sequences,
 each in a KV stream of its own of ``n_ctx`` cells (so a request's numerics do
@@ -80,7 +82,7 @@ class LlamaCppSettings(ChatSettings):
 class LlamaCppBackend(BatchedBackend):
     name = "llama_cpp"
     handoff_kind = KIND_LLAMA_SEQ_STATE
-    accepts = (KIND_LLAMA_SEQ_STATE, KIND_TOKEN_IDS)
+    accepts = (KIND_LLAMA_SEQ_STATE, KIND_NEUTRAL_KV, KIND_TOKEN_IDS)
     Settings = LlamaCppSettings
     ignores_eos = True
 
@@ -415,12 +417,32 @@ class LlamaCppBackend(BatchedBackend):
             raise RuntimeError("llama_state_seq_get_data wrote nothing")
         return llama_state.to_single_stream(memoryview(buf)[:written])
 
-    def import_state(self, seq: int, received: Received) -> float:
-        """Load a bundle's KV into sequence ``seq``; afterwards ``received.payload`` is dropped."""
+    def import_neutral(self, seq: int, received: Received) -> tuple[float, float]:
+        """Load a ``neutral_kv`` bundle (vLLM's, transformers', MLX's) into sequence ``seq``, written as this
+        context's own state first (kv/convert.py: checks, K's head-dim order, the cache type, V transposed
+        when flash attention is off); returns (the whole import's seconds, the conversion's)."""
+        from ..kv.convert import neutral_as_llama_state
+
+        started = time.perf_counter()
+        if self._fingerprint.get("n_swa"):
+            raise BundleError("this model has sliding-window layers: its llama.cpp state holds two caches, which "
+                              "a neutral_kv bundle does not carry; send llama_seq_state or token ids", field="kv")
+        s, f = self.settings, self._fingerprint
+        state = neutral_as_llama_state(received.meta.get("neutral"), received.payload, self.metadata(),
+                                       {"model_sha256": f["model_sha256"], "arch": f["arch"]},
+                                       n_kv_tokens=len(received.tokens) - 1, type_k=s.type_k, type_v=s.type_v,
+                                       v_trans=not s.flash_attn)
+        converted = time.perf_counter() - started
+        self.import_state(seq, received, state)
+        return time.perf_counter() - started, converted
+
+    def import_state(self, seq: int, received: Received, state=None) -> float:
+        """Load a bundle's KV (or ``state``, the llama.cpp state made from it) into sequence ``seq``;
+        afterwards ``received.payload`` is dropped."""
         import llama_cpp
 
         started = time.perf_counter()
-        payload = memoryview(received.payload).cast("B")
+        payload = memoryview(received.payload if state is None else state).cast("B")
         head, tail = self.receive_room()
         if self.slots > 1:
             # the conversion rewrites the state's first bytes, which the checksum may still be reading:
@@ -512,10 +534,15 @@ class LlamaCppBackend(BatchedBackend):
         keep = None
         try:
             canary = None
+            converted = {}
             if received.kind == KIND_LLAMA_SEQ_STATE:
                 load_time = self.import_state(seq, received)
                 method, recomputed = "kv_handoff", 0
                 canary = received.meta.get("canary") or {}  # {}: the bundle has none (reported as absent)
+            elif received.kind == KIND_NEUTRAL_KV:  # another engine's KV, written as this context's state
+                load_time, convert_time = self.import_neutral(seq, received)
+                method, recomputed, converted = "kv_handoff", 0, {"kv_convert_time": round(convert_time, 6)}
+                canary = received.meta.get("canary") or {}
             elif received.kind == KIND_TOKEN_IDS:  # only ids arrived: recompute the prompt here
                 load_time, method, recomputed = 0.0, "token_ids_recompute", len(received.tokens) - 1 - cached
                 yield from self._evaluate_all_but_last(seq, received.tokens, cached)
@@ -525,7 +552,7 @@ class LlamaCppBackend(BatchedBackend):
             yield from self._continue(seq, received.tokens, sampler, output, sampling, cancelled=cancelled,
                                       started=started, recomputed=recomputed, canary=canary,
                                       extra={"kv_load_time": round(load_time, 6), "method": method,
-                                             "prompt_tokens_cached": cached})
+                                             "prompt_tokens_cached": cached, **converted})
             keep = received.tokens
         finally:
             sampler.close()

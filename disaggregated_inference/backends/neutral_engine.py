@@ -49,7 +49,7 @@ import time
 from typing import Iterator
 
 from .. import chat
-from ..errors import BadRequest, BundleError, FingerprintMismatch
+from ..errors import BadRequest, FingerprintMismatch
 from ..kv import neutral
 from ..kv.bundle import KIND_NEUTRAL_KV, KIND_TOKEN_IDS
 from .base import Backend, ChatSettings, Event, Prefilled, Prompt, Received, Sampling, check_fits, rate
@@ -148,17 +148,9 @@ class NeutralKVBackend(Backend):
     def import_neutral(self, meta: dict, payload, n_kv_tokens: int):
         """A cache holding a neutral bundle's K/V, checked against this model first; K arriving in the other
         head-dim order is permuted into this engine's (the time it took: ``kv_convert_time``)."""
-        meta = neutral.validate_meta(meta)
-        neutral.check_model(self.identity(), meta["model"])
         layout = self.expected_layout()
-        perm = neutral.head_dim_permutation(layout["head_dim_order"], meta["head_dim_k"]) \
-            if neutral.check_shape(meta, layout, reorder=True) else None
-        if meta["pos_start"] != 0:
-            raise BundleError(f"pos_start is {meta['pos_start']}; the cache must start at position 0",
-                              field="meta.neutral.pos_start")
-        if meta["n_kv_tokens"] != n_kv_tokens:
-            raise BundleError(f"n_kv_tokens is {meta['n_kv_tokens']} but the bundle's token ids need {n_kv_tokens}",
-                              field="meta.neutral.n_kv_tokens")
+        meta, permute = neutral.check_import(meta, self.identity(), layout, n_kv_tokens)
+        perm = neutral.head_dim_permutation(layout["head_dim_order"], meta["head_dim_k"]) if permute else None
         cache = self.new_cache()
         self.kv_convert_time = None if perm is None else 0.0
         if n_kv_tokens:
