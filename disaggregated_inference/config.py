@@ -82,6 +82,7 @@ class ServerOptions:
     max_lease_bytes: int = 32 << 30  # prefill: bytes of KV held under leases at once; beyond, 503
     max_lease_seconds: float = 600.0  # prefill: the longest lease_seconds a request may ask for
     body_timeout: float = 10.0  # seconds a client has to send its request body (408 after)
+    header_timeout: float = 10.0  # seconds a client has to send its request line and headers (408 after)
     # The handoff canary (kv/canary.py; docs/ARCHITECTURE.md, "The canary")
     canary_top_k: int = 8  # prefill: top-k log-probs of the next-token distribution in each bundle; 0 = off
     canary_tolerance: float = 0.5  # decode: max abs log-prob difference allowed, same engine on both sides
@@ -101,7 +102,8 @@ SERVER_RANGES = {"lease_seconds": (0, False), "queue_timeout": (0, False), "kv_f
                  "kv_socket_buffer_bytes": (0, True), "max_kv_bytes": (1, True), "threads": (2, True),
                  "kv_progress_timeout": (0, False), "max_request_bytes": (1024, True), "max_prompt_chars": (1, True),
                  "max_schema_bytes": (2, True), "max_lease_bytes": (1, True), "max_lease_seconds": (0, False),
-                 "body_timeout": (0, False), "canary_top_k": (0, True), "canary_tolerance": (0, True),
+                 "body_timeout": (0, False), "header_timeout": (0, False), "canary_top_k": (0, True),
+                 "canary_tolerance": (0, True),
                  "canary_cross_tolerance": (0, True), "canary_exact_tolerance": (0, True)}
 
 

@@ -176,6 +176,21 @@ def test_failover():
 
 
 @pytest.mark.slow
+def test_slow_clients():
+    out = run_quick("slow_clients.py")
+    assert out["quick"] is True and set(out["workers"]) == {"gthread", "buffered"}
+    for name, row in out["workers"].items():
+        assert row["idle"]["failed_or_timed_out"] == 0, (name, row)
+        for kind in ("health", "generate"):
+            summary = row["slow"][kind]
+            assert summary["answered"] == 0 or summary["p50_ms"] <= summary["max_ms"]
+    buffered = out["workers"]["buffered"]["slow"]
+    # the buffered worker answers every probe beside the slow connections, and closes each of them
+    assert buffered["failed_or_timed_out"] == 0 and buffered["closed_by_server"] == out["connections"]
+    assert buffered["closed_after_s"] <= out["header_timeout_s"] + 5
+
+
+@pytest.mark.slow
 def test_prefix():
     out = run_quick("prefix.py")
     rows = out["rows"]

@@ -23,6 +23,7 @@ from werkzeug.exceptions import HTTPException
 from .. import config as cluster_config
 from ..client import DisaggregatedClient
 from ..errors import DisaggError, ModelNotFound, NoServerAvailable, Unauthorized, UpstreamTimeout
+from ..server.web import arrival_limits
 from .metrics import GatewayMetrics
 from .ollama_api import ollama
 from .openai_api import openai
@@ -73,6 +74,8 @@ def create_app(config=None, client: DisaggregatedClient | None = None) -> Flask:
     app = Flask("disaggregated_inference.gateway", static_folder=None)
     app.json.sort_keys = False
     app.config["MAX_CONTENT_LENGTH"] = cfg.server["max_request_bytes"]
+    app.config["DISAGG_ARRIVAL"] = arrival_limits(cfg.server["header_timeout"], cfg.server["body_timeout"],
+                                                  cfg.server["max_request_bytes"])
     token = os.environ.get("DISAGG_GATEWAY_API_TOKEN") or cfg.gateway.get("api_token")
     app.extensions["gateway"] = Gateway(cfg, client or DisaggregatedClient(cfg), GatewayMetrics(), token, time.time())
 

@@ -75,6 +75,8 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
     st.metrics.watch_owner(st.owner)
     app.extensions["disagg"] = st
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
+    app.config["DISAGG_ARRIVAL"] = arrival_limits(settings.header_timeout, settings.body_timeout,
+                                                  settings.max_request_bytes)
     admission.install(app, settings.threads)
 
     @app.errorhandler(DisaggError)
@@ -153,6 +155,11 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
         return json_response(body, 200 if body["status"] in ("healthy", "loading") else 503)
 
     return app
+
+
+def arrival_limits(header_timeout: float, body_timeout: float, max_request_bytes: int) -> dict:
+    """What the gunicorn worker (``worker.py``) holds a request to before it gives it a thread."""
+    return {"header_timeout": header_timeout, "body_timeout": body_timeout, "max_body_bytes": max_request_bytes}
 
 
 def json_response(body: dict, status: int = 200, headers: dict | None = None) -> Response:
