@@ -18,6 +18,7 @@ from pathlib import Path
 from . import backends, routing
 from .backends import options
 from .errors import ConfigError
+from .server.progress import HEARTBEAT_SECONDS
 from .tuning import MIN_NON_TEMPORAL_BYTES, OPENMP_WAITS
 
 DEFAULT_CONFIG_FILE = "config_current.json"
@@ -27,8 +28,13 @@ DEFAULT_CONFIG_FILE = "config_current.json"
 MODEL_ENTRY_KEYS = {"aliases": list}
 SERVER_ENTRY_KEYS = {"name": str, "host": str, "port": int, "model": str, "data_url": str}
 CLIENT_DEFAULTS = {
+    # the caller's deadlines: for a prefill (queueing included), and for a decode's whole answer (a
+    # stream's: until its first piece); running out blames no server that was still working (watch.py)
     "prefill_timeout": 60.0,
     "decode_timeout": 180.0,
+    # a server that sends nothing, not even its heartbeat (one a second while it works), for this long
+    # is taken as hung: the request moves on and the server is marked down until it answers again
+    "progress_timeout": 5.0,
     "connect_timeout": 3.0,
     "health_timeout": 2.0,
     "health_check_interval": 10.0,
@@ -95,6 +101,7 @@ SERVER_DEFAULTS = {f.name: f.default for f in fields(ServerOptions)}
 
 # Ranges checked on load: key -> (lowest allowed, whether the lowest itself is allowed).
 CLIENT_RANGES = {"prefill_timeout": (0, False), "decode_timeout": (0, False), "connect_timeout": (0, False),
+                 "progress_timeout": (HEARTBEAT_SECONDS, False),
                  "health_timeout": (0, False), "health_check_interval": (0, True),
                  "failures_before_down": (1, True), "retries": (0, True), "history_size": (1, True)}
 SERVER_RANGES = {"lease_seconds": (0, False), "queue_timeout": (0, False), "kv_fetch_timeout": (0, False),

@@ -8,8 +8,14 @@ Four verbs, each one a backend can honestly answer:
 - ``generate(prompt, sampling)``: the whole thing on this machine (fallback).
 - ``fingerprint()``: what a bundle from this backend must match to be imported.
 
-Tokenization is part of ``prefill``: Ollama has no public tokenizer endpoint, so
-a separate ``tokenize`` verb would be one that backend could not fill.
+``tokenize(prompt)`` gives a prompt's token ids where the engine has its own
+tokenizer (llama.cpp, and MLX and transformers through the GGUF's vocabulary):
+the server calls it on the request's own thread, before the request waits for
+the model, and passes the ids back in ``prompt.tokens``, so that rendering the
+chat template and tokenizing, work that a prompt's size decides, never holds the
+model's thread. Ollama has no public tokenizer endpoint: its ``tokenize`` answers
+None and its verbs take the prompt's text, as every verb also does when called
+with an untokenized prompt (tests, tools).
 
 What a backend hands over is declared by ``handoff_kind``: ``llama_seq_state``
 (the KV cache itself moves), ``neutral_kv`` (the K/V arrays in an engine-neutral
@@ -81,12 +87,16 @@ def settings_class(backend: str) -> type:
 
 @dataclass(frozen=True)
 class Prompt:
-    """Either ``text`` (rendered as one user turn unless ``raw``) or chat ``messages``."""
+    """Either ``text`` (rendered as one user turn unless ``raw``) or chat ``messages``; with ``tokens``
+    once the server has tokenized it (``Backend.tokenize``: the ids and the stop strings its chat
+    template adds, ``stops``)."""
 
     text: str | None = None
     messages: tuple | None = None
     raw: bool = False
     system: str | None = None
+    tokens: tuple | None = None
+    stops: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -157,25 +167,48 @@ def rate(n, seconds: float):
     return round(n / seconds, 2) if n and seconds > 0 else None
 
 
-def check_fits(n_prompt: int, n_ctx: int, what: str = "this server's context") -> None:
+def check_fits(n_prompt: int, n_ctx: int, what: str = "this server's context", field: str = "prompt") -> None:
     """Refuse an empty prompt (400) or one that leaves no room in a context of ``n_ctx`` tokens."""
     from ..errors import BadRequest, ContextOverflow
 
     if n_prompt < 1:
-        raise BadRequest("the prompt has no tokens", field="prompt")
+        raise BadRequest("the prompt has no tokens", field=field)
     if n_prompt >= n_ctx:
-        raise ContextOverflow(f"prompt has {n_prompt} tokens; {what} holds {n_ctx}", field="prompt")
+        raise ContextOverflow(f"prompt has {n_prompt} tokens; {what} holds {n_ctx}", field=field)
 
 
-def gguf_prompt_tokens(prompt: Prompt, formatter, tokenize) -> tuple[list[int], tuple]:
+def check_bound(data: bytes, field: str, n_ctx: int | None, longest_token: int) -> None:
+    """Refuse (400 ``context_overflow``) text that cannot fit a context of ``n_ctx`` tokens whatever its
+    tokenization: no token covers more than ``longest_token`` bytes, so ``data`` needs at least
+    len / longest tokens. Cheap, and before the tokenizer, whose time grows faster than the text (20,000
+    chat turns took 28 s there; their 580 KB are 7,000 tokens at least, by this bound)."""
+    from ..errors import ContextOverflow
+
+    if not n_ctx or longest_token <= 0:
+        return
+    least = -(-len(data) // longest_token)
+    if least >= n_ctx:
+        raise ContextOverflow(f"'{field}' is {len(data)} bytes as the model reads it: at least {least} tokens "
+                              f"(no token of this model covers more than {longest_token} bytes), and this server's "
+                              f"context holds {n_ctx}", field=field)
+
+
+def gguf_prompt_tokens(prompt: Prompt, formatter, tokenize, n_ctx: int | None = None,
+                       longest_token: int = 0) -> tuple[list[int], tuple]:
     """Token ids of a prompt and the stop strings its chat template adds, for the backends that read a
     GGUF's vocabulary: ``formatter`` is its chat template (llama-cpp-python's ``Jinja2ChatFormatter``,
-    or None when it has none), ``tokenize(data: bytes, add_bos, special)`` its tokenizer."""
+    or None when it has none), ``tokenize(data: bytes, add_bos, special)`` its tokenizer. A prompt already
+    tokenized (``prompt.tokens``) is given back as it is. With ``n_ctx`` and ``longest_token`` (the most
+    bytes one token covers), text that cannot fit is refused before it is tokenized (``check_bound``)."""
     from ..errors import BadRequest
 
+    if prompt.tokens is not None:
+        return list(prompt.tokens), tuple(prompt.stops)
     if prompt.raw or (formatter is None and prompt.messages is None):
         text = prompt.text if prompt.system is None else f"{prompt.system}\n\n{prompt.text}"
-        return tokenize(text.encode("utf-8"), add_bos=True, special=False), ()
+        data = text.encode("utf-8")
+        check_bound(data, "prompt", n_ctx, longest_token)
+        return tokenize(data, add_bos=True, special=False), ()
     if formatter is None:
         raise BadRequest("this model has no chat template; send 'prompt' with 'raw': true", field="messages")
     messages = list(prompt.messages or ({"role": "user", "content": prompt.text},))
@@ -185,7 +218,9 @@ def gguf_prompt_tokens(prompt: Prompt, formatter, tokenize) -> tuple[list[int], 
         rendered = formatter(messages=messages)
     except Exception as exc:  # the template's own raise_exception, or a jinja error
         raise BadRequest(f"chat template rejected the messages: {exc}", field="messages") from None
-    tokens = tokenize(rendered.prompt.encode("utf-8"), add_bos=not rendered.added_special, special=True)
+    data = rendered.prompt.encode("utf-8")
+    check_bound(data, "messages" if prompt.messages is not None else "prompt", n_ctx, longest_token)
+    tokens = tokenize(data, add_bos=not rendered.added_special, special=True)
     return tokens, tuple(s for s in rendered.stop if s)
 
 
@@ -196,7 +231,7 @@ class Backend(abc.ABC):
     request's ``prefill``/``decode``/``generate`` on one of ``slots`` worker threads
     (a ``BatchedBackend`` steps them on the owner thread instead), and ``close`` at
     the end. HTTP threads call only what answers from memory: ``fingerprint``,
-    ``describe``, ``served_model``, ``receive_room`` and ``convert``.
+    ``describe``, ``served_model``, ``receive_room``, ``convert`` and ``tokenize``.
     """
 
     name: ClassVar[str]
@@ -253,6 +288,16 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompt: Prompt, sampling: Sampling, cancelled: Cancelled) -> Iterator[Event]:
         """The whole request on this machine (the decode-only path and the fallback)."""
+
+    def tokenize(self, prompt: Prompt) -> tuple[list[int], tuple] | None:
+        """The prompt's token ids and the stop strings its chat template adds (a prompt already tokenized:
+        its own), or None for an engine that tokenizes behind its own API (the default).
+
+        Called on a request's HTTP thread, beside the model's work on the owner thread: it must only read
+        the vocabulary and the template (llama.cpp's tokenizer does; its own server tokenizes on its HTTP
+        threads too). A prompt that cannot fit ``n_ctx`` by a bound cheaper than tokenizing it should be
+        refused before tokenizing (``check_bound``): the tokenizer's time grows with the text."""
+        return None
 
     def convert(self, prefilled: Prefilled, kind: str) -> Prefilled | None:
         """``prefilled`` as the bundle kind ``kind`` a decode side asked for (``kv_kind``), or None when

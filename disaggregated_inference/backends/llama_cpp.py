@@ -43,6 +43,7 @@ from ..kv.buffers import HUGE_THRESHOLD, sendable
 from ..kv.bundle import KIND_LLAMA_SEQ_STATE, KIND_NEUTRAL_KV, KIND_TOKEN_IDS
 from ..errors import BadRequest, BundleError, FingerprintMismatch
 from .gguf import resolve_gguf
+from .gguf_vocab import longest_token_bytes
 from .base import (BatchedBackend, Eval, Event, ModelSettings, Prefilled, Prompt, Received, Sampling, check_fits,
                    gguf_prompt_tokens, rate)
 from .options import option
@@ -100,6 +101,7 @@ class LlamaCppBackend(BatchedBackend):
         self.model_path = None
         self._fingerprint: dict = {}
         self._formatter = None
+        self._longest_token = 0  # bytes; bounds a prompt's token count from below (base.check_bound)
         self._template_source = None
         self._eog: list[int] | None = None
         self._threads: int | None = None  # CPU compute threads, named in canaries (kv/canary.py)
@@ -148,6 +150,7 @@ class LlamaCppBackend(BatchedBackend):
         self._batch = llama_cpp.llama_batch_init(self._batch_capacity, 0, 1)
         self._free = list(range(self.slots - 1, -1, -1))
         self._cached = {}
+        self._longest_token = longest_token_bytes(self.model.vocab, self.model.n_vocab())
         meta = self.model.metadata()
         template = meta.get("tokenizer.chat_template")
         self._template_source = "gguf" if template else None
@@ -232,8 +235,12 @@ class LlamaCppBackend(BatchedBackend):
     # -- prompt -> tokens ------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> tuple[list[int], tuple]:
-        """Token ids of a prompt and the stop strings its chat template adds."""
-        return gguf_prompt_tokens(prompt, self._formatter, self.model.tokenize)
+        """Token ids of a prompt and the stop strings its chat template adds. Reads only the vocabulary
+        and the template: the server runs it on the request's thread, beside the model's steps (as
+        llama.cpp's own server tokenizes on its HTTP threads). Text that cannot fit the context is refused
+        before it is tokenized (``base.check_bound``)."""
+        return gguf_prompt_tokens(prompt, self._formatter, self.model.tokenize, self.settings.n_ctx,
+                                  self._longest_token)
 
     def _check_fits(self, n_prompt: int) -> None:
         check_fits(n_prompt, self.settings.n_ctx)
