@@ -173,6 +173,31 @@ def test_failover():
                        (fallback, "time_to_first_decode_only_answer_s")):
         assert phase["requests_after_kill"] > 0 and 0 <= phase["errors"] <= phase["requests_after_kill"]
         assert phase[key] is not None and 0 < phase[key] <= window + failover["slowest_request_across_the_kill_s"]
+    for name, key in (("hang_prefill", "time_to_first_answer_via_other_server_s"),
+                      ("hang_decode", "time_to_first_failure_s")):
+        hang = out[name]
+        assert hang["frozen_s"] == window and hang["requests_while_frozen"] > 0
+        assert 0 <= hang["errors_while_frozen"] <= hang["requests_while_frozen"]
+        assert hang[key] is not None and 0 < hang[key] <= window
+        # thawed, the server serves again without a restart, within the run's last window
+        assert hang["time_from_thaw_to_first_answer_through_it_s"] is not None
+        assert 0 < hang["time_from_thaw_to_first_answer_through_it_s"] <= window
+    assert out["hang_prefill"]["errors_while_frozen"] == 0  # the other prefill server took the requests
+
+
+@pytest.mark.slow
+def test_slow_clients():
+    out = run_quick("slow_clients.py")
+    assert out["quick"] is True and set(out["workers"]) == {"gthread", "buffered"}
+    for name, row in out["workers"].items():
+        assert row["idle"]["failed_or_timed_out"] == 0, (name, row)
+        for kind in ("health", "generate"):
+            summary = row["slow"][kind]
+            assert summary["answered"] == 0 or summary["p50_ms"] <= summary["max_ms"]
+    buffered = out["workers"]["buffered"]["slow"]
+    # the buffered worker answers every probe beside the slow connections, and closes each of them
+    assert buffered["failed_or_timed_out"] == 0 and buffered["closed_by_server"] == out["connections"]
+    assert buffered["closed_after_s"] <= out["header_timeout_s"] + 5
 
 
 @pytest.mark.slow

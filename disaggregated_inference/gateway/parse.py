@@ -17,6 +17,20 @@ from ..errors import BadRequest
 
 UNLIMITED_TOKENS = 1 << 20  # the decode server stops at the end of its context first
 
+# The cluster's names of request fields (what the client and the servers name in their errors: they
+# check the request the gateway builds) as each API spells them; the others are the same in both.
+API_FIELDS = {
+    "openai": {"json_schema": "response_format", "max_new_tokens": "max_tokens"},
+    "ollama": {"json_schema": "format", "max_new_tokens": "options.num_predict", "stop": "options.stop",
+               "temperature": "options.temperature", "top_p": "options.top_p", "top_k": "options.top_k",
+               "seed": "options.seed"},
+}
+
+
+def api_field(field: str | None, api: str) -> str | None:
+    """A cluster error's ``field`` as the API the request came through names it."""
+    return API_FIELDS[api].get(field, field) if field else field
+
 
 @dataclass(frozen=True)
 class GatewayRequest:
