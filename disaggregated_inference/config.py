@@ -18,6 +18,7 @@ from pathlib import Path
 from . import backends, routing
 from .backends import options
 from .errors import ConfigError
+from .server.progress import HEARTBEAT_SECONDS
 from .tuning import MIN_NON_TEMPORAL_BYTES, OPENMP_WAITS
 
 DEFAULT_CONFIG_FILE = "config_current.json"
@@ -27,8 +28,13 @@ DEFAULT_CONFIG_FILE = "config_current.json"
 MODEL_ENTRY_KEYS = {"aliases": list}
 SERVER_ENTRY_KEYS = {"name": str, "host": str, "port": int, "model": str, "data_url": str}
 CLIENT_DEFAULTS = {
+    # the caller's deadlines: for a prefill (queueing included), and for a decode's whole answer (a
+    # stream's: until its first piece); running out blames no server that was still working (watch.py)
     "prefill_timeout": 60.0,
     "decode_timeout": 180.0,
+    # a server that sends nothing, not even its heartbeat (one a second while it works), for this long
+    # is taken as hung: the request moves on and the server is marked down until it answers again
+    "progress_timeout": 5.0,
     "connect_timeout": 3.0,
     "health_timeout": 2.0,
     "health_check_interval": 10.0,
@@ -82,6 +88,7 @@ class ServerOptions:
     max_lease_bytes: int = 32 << 30  # prefill: bytes of KV held under leases at once; beyond, 503
     max_lease_seconds: float = 600.0  # prefill: the longest lease_seconds a request may ask for
     body_timeout: float = 10.0  # seconds a client has to send its request body (408 after)
+    header_timeout: float = 10.0  # seconds a client has to send its request line and headers (408 after)
     # The handoff canary (kv/canary.py; docs/ARCHITECTURE.md, "The canary")
     canary_top_k: int = 8  # prefill: top-k log-probs of the next-token distribution in each bundle; 0 = off
     canary_tolerance: float = 0.5  # decode: max abs log-prob difference allowed, same engine on both sides
@@ -94,6 +101,7 @@ SERVER_DEFAULTS = {f.name: f.default for f in fields(ServerOptions)}
 
 # Ranges checked on load: key -> (lowest allowed, whether the lowest itself is allowed).
 CLIENT_RANGES = {"prefill_timeout": (0, False), "decode_timeout": (0, False), "connect_timeout": (0, False),
+                 "progress_timeout": (HEARTBEAT_SECONDS, False),
                  "health_timeout": (0, False), "health_check_interval": (0, True),
                  "failures_before_down": (1, True), "retries": (0, True), "history_size": (1, True)}
 SERVER_RANGES = {"lease_seconds": (0, False), "queue_timeout": (0, False), "kv_fetch_timeout": (0, False),
@@ -101,7 +109,8 @@ SERVER_RANGES = {"lease_seconds": (0, False), "queue_timeout": (0, False), "kv_f
                  "kv_socket_buffer_bytes": (0, True), "max_kv_bytes": (1, True), "threads": (2, True),
                  "kv_progress_timeout": (0, False), "max_request_bytes": (1024, True), "max_prompt_chars": (1, True),
                  "max_schema_bytes": (2, True), "max_lease_bytes": (1, True), "max_lease_seconds": (0, False),
-                 "body_timeout": (0, False), "canary_top_k": (0, True), "canary_tolerance": (0, True),
+                 "body_timeout": (0, False), "header_timeout": (0, False), "canary_top_k": (0, True),
+                 "canary_tolerance": (0, True),
                  "canary_cross_tolerance": (0, True), "canary_exact_tolerance": (0, True)}
 
 

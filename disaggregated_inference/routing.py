@@ -47,6 +47,7 @@ PRIOR_COPY_BYTES_PER_S = 4e9  # export + checksum + import
 PRIOR_FIXED = {HANDOFF: 0.05, LOCAL: 0.01}  # seconds: two requests and a transfer, against one request
 PRIOR_CHARS_PER_TOKEN = 4.0
 MIN_TOKENS_FOR_SPEED = 8  # shorter prompts say more about overheads than about speed
+MIN_CHARS_FOR_RATIO = 256  # shorter prompts are mostly chat template: 7 characters can be 30 tokens
 
 
 class Average:
@@ -103,8 +104,10 @@ class CostModel:
         the client's end-to-end time to first token."""
         with self._lock:
             tokens = dec.get("prompt_tokens") or pre.get("prompt_tokens")
-            if tokens and chars:
+            if tokens and chars >= MIN_CHARS_FOR_RATIO:
                 self._avg("chars_per_token", model).add(chars / tokens)
+            if (dec.get("completion_tokens") or 0) >= MIN_TOKENS_FOR_SPEED and dec.get("decode_speed"):
+                self._avg("decode_speed", decode).add(float(dec["decode_speed"]))
             if path == HANDOFF:
                 self._observe_handoff(model, prefill, decode, pre, dec, ttft)
             elif path == LOCAL:
@@ -143,6 +146,13 @@ class CostModel:
             self._avg("fixed", LOCAL).add(max(0.0, ttft - parts))
 
     # -- estimating ---------------------------------------------------------------------------
+
+    def server_speeds(self, server: str) -> tuple[float | None, float | None]:
+        """(prompt tokens/s, generated tokens/s) this client has measured on ``server`` (None: not yet):
+        what the client expects of its answers (watch.py)."""
+        with self._lock:
+            return (self._value("prefill_speed", server) or self._value("local_speed", server),
+                    self._value("decode_speed", server))
 
     def speeds(self, prefill: str | None, decode: str, reported: tuple = (None, None)) -> tuple[float, float, str]:
         """(prefill speed, decode-side prompt speed, basis): measured (by this client, or as the servers'

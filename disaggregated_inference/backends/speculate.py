@@ -248,45 +248,66 @@ class Lookahead:
     """One request's steps in the token loop, with or without speculation: what the next step
     evaluates (``step``) and which row the loop samples next (``row``).
 
-    The loop samples ``row``, tells ``sampled`` the token, and when that returns True (the token was
-    the guess evaluated after the previous one, so its KV is in place) samples the next ``row``
-    without a step; otherwise it asks ``step`` for the next one. ``drop_cells(seq, pos)`` removes the
-    sequence's KV from position ``pos`` on (the guesses after a rejected one)."""
+    The loop samples ``row`` and tells ``sampled`` the token: True when it was the guess evaluated
+    after the previous row (its KV is in place, and the next ``row`` is ready without a step);
+    otherwise the guesses after it are dropped and the loop asks ``step`` for the next step.
+    ``drop_cells(seq, pos)`` removes the sequence's KV from position ``pos`` on. ``history`` is what
+    the sequence's KV holds, prompt and answer, in order (what the proposer drafts from)."""
 
     def __init__(self, seq: int, history: Sequence[int], proposer: Proposer | None,
                  drop_cells: Callable[[int, int], None]):
         self.seq, self.proposer, self.drop_cells = seq, proposer, drop_cells
-        self.history = list(history)
-        self.pos = len(self.history) - 1  # where the next evaluated token goes
+        self.history = list(history[:-1])
         self.ev = None
         self._at = 0  # the row of ``ev`` the loop samples next
         self._settled = True
         self.drafted = self.accepted = 0
+        self._last = history[-1]
 
     def first(self):
         """The first step: the prompt's last token (never with a draft: the handoff's canary reads its row)."""
-        self.ev = Eval(self.seq, [self.history[-1]], self.pos)
-        self._at, self._settled = 0, True
-        return self.ev
+        return self.step([self._last], 0, draft=False)
+
+    @property
+    def pos(self) -> int:
+        """Where the next evaluated token goes: the answer's KV ends before it."""
+        return len(self.history)
 
     @property
     def row(self) -> int:
         """The batch row whose logits give the next token."""
-        return self.ev.row_of(self._at)
+        return self.ev.row_of(len(self.ev.tokens) - 1 - self._guesses_left())
+
+    def _guesses_left(self) -> int:
+        if self.ev is None or self.ev.draft_acceptance is None:
+            return 0
+        return len(self.ev.tokens) - 1 - self._at
 
     def sampled(self, token: int) -> bool:
-        """The loop sampled ``token`` from ``row``; True when it was the next guess (the next row is ready)."""
-        self.history.append(token)
-        guesses = len(self.ev.tokens) - 1
-        if self._at < guesses and self.ev.tokens[1 + self._at] == token:
+        """The loop sampled ``token`` from ``row``; True when it was the next guess (its KV stays, the next row
+        is ready). Otherwise the guesses still unread are dropped, and the token waits for ``step``."""
+        left = self._guesses_left()
+        if left and self.ev.tokens[1 + self._at] == token:
             self._at += 1
             self.accepted += 1
+            self.history.append(token)
             return True
-        if self._at < guesses:  # the guesses after the accepted ones are not the answer: drop their KV
-            self.drop_cells(self.seq, self.ev.pos + 1 + self._at)
-        self._settle()
-        self.pos = self.ev.pos + 1 + self._at
+        self._drop_unread()
         return False
+
+    def unkeep(self) -> None:
+        """The token ``sampled`` just kept is not part of the answer after all (the chat format replaced it
+        with text): its cell, and the guesses after it, go."""
+        self._at -= 1
+        self.accepted -= 1
+        self.history.pop()
+        self.drop_cells(self.seq, self.pos)
+        self._settle()
+
+    def _drop_unread(self) -> None:
+        if self._guesses_left():
+            self.drop_cells(self.seq, self.pos)  # the guesses after the last kept token: not the answer
+        self._settle()
 
     def _settle(self) -> None:
         if not self._settled:
@@ -295,22 +316,29 @@ class Lookahead:
             self.drafted += guesses
             if self.proposer is not None:
                 self.proposer.feedback(self._at, guesses)
+        self._at = 0
+        if self.ev is not None:
+            self.ev.draft_acceptance = None  # read no further rows of it as guesses
 
-    def step(self, token: int, room: int):
-        """The step after ``token`` was emitted (and not yet evaluated): it, and a draft of at most
-        ``room - 1`` guesses (``room``: the tokens the answer may still have)."""
-        tokens, acceptance = [token], None
-        if self.proposer is not None and room > 1:
-            draft = self.proposer.propose(self.history)
-            if draft is not None and draft.tokens:
-                tokens += draft.tokens[:room - 1]
-                acceptance = draft.acceptance
-        self.ev = Eval(self.seq, tokens, self.pos, draft_acceptance=acceptance)
+    def step(self, tokens: list, room: int, draft: bool = True):
+        """The next step: ``tokens`` (the sampled token, text the format feeds, or both; none where only the
+        logits of the last row are wanted), and with ``draft`` a draft of at most ``room - 1`` guesses after
+        them (``room``: the tokens the answer may still have)."""
+        self._drop_unread()
+        tokens, acceptance = list(tokens), None
+        pos = self.pos
+        self.history.extend(tokens)
+        if draft and tokens and self.proposer is not None and room > 1:
+            proposal = self.proposer.propose(self.history)
+            if proposal is not None and proposal.tokens:
+                tokens += proposal.tokens[:room - 1]
+                acceptance = proposal.acceptance
+        self.ev = Eval(self.seq, tokens, pos, draft_acceptance=acceptance)
         self._at, self._settled = 0, acceptance is None
         return self.ev
 
     def finish(self) -> dict:
-        """The request's speculation figures (the draft in flight counted as verified)."""
+        """The request's speculation figures (a draft in flight counted as verified)."""
         if self.ev is not None and self.ev.complete:
             self._settle()
         return {"draft_tokens": self.drafted, "accepted_tokens": self.accepted}

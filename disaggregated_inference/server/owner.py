@@ -50,8 +50,9 @@ class Reservation:
 
 
 class _Job:
-    def __init__(self, fn, streaming: bool, reservation: Reservation):
+    def __init__(self, fn, streaming: bool, reservation: Reservation, progress=None):
         self.fn, self.streaming, self.reservation = fn, streaming, reservation
+        self.progress = progress  # a request's Progress (progress.py): the prompt tokens evaluated are counted
         self.out: queue.Queue = queue.Queue()
         self.cancelled = False
         self.queue_time = reservation.waited
@@ -167,26 +168,29 @@ class ModelOwner:
 
     # -- submitting work -------------------------------------------------------------------------
 
-    def _submit(self, fn, streaming: bool, reservation: Reservation | None) -> _Job:
-        job = _Job(fn, streaming, reservation or self.reserve())
+    def _submit(self, fn, streaming: bool, reservation: Reservation | None, progress=None) -> _Job:
+        job = _Job(fn, streaming, reservation or self.reserve(), progress)
         self._jobs.put(job)
         return job
 
-    def call(self, fn: Callable, reservation: Reservation | None = None):
-        """Run ``fn(backend)`` with a slot and return its result (a batched backend's generator is driven)."""
-        job = self._submit(fn, False, reservation)
+    def call(self, fn: Callable, reservation: Reservation | None = None, progress=None):
+        """Run ``fn(backend)`` with a slot and return its result (a batched backend's generator is driven).
+        With ``progress`` (a request's ``Progress``), the prompt tokens a batched backend evaluates for it
+        are counted there as they are."""
+        job = self._submit(fn, False, reservation, progress)
         kind, value = job.out.get()
         if kind == "error":
             raise value
         return value
 
-    def stream(self, fn: Callable, reservation: Reservation | None = None) -> Iterator:
+    def stream(self, fn: Callable, reservation: Reservation | None = None, progress=None) -> Iterator:
         """Run ``fn(backend, cancelled)`` (a generator) with a slot; yield its events.
 
         The slot is held (or a full queue or a loading model reported) before this
         returns; closing the iterator early (a client went away) cancels the job.
+        ``progress`` as for ``call``.
         """
-        return _JobStream(self._submit(fn, True, reservation))
+        return _JobStream(self._submit(fn, True, reservation, progress))
 
     def close(self) -> None:
         self._jobs.put(_STOP)
@@ -260,6 +264,7 @@ class ModelOwner:
             self.active = len(active)
             if not pending:
                 continue
+            before = [t.pending.done for t in pending]
             try:
                 n = self.backend.evaluate([t.pending for t in pending])
             except Exception as exc:
@@ -270,7 +275,9 @@ class ModelOwner:
             self.steps += 1
             self.batch_tokens.append(n)
             self.on_step(len(pending), n)
-            for task in pending:
+            for task, done in zip(pending, before):
+                if task.job.progress is not None:
+                    task.job.progress.evaluated += task.pending.done - done
                 if task.pending.complete:
                     self._advance(task, active)
 
