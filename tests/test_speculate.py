@@ -319,3 +319,53 @@ def test_sequences_verifying_in_one_step_each_get_their_own_answer(tiny):
     assert metrics[0]["accepted_tokens"] > 0 and metrics[1]["accepted_tokens"] > 0
     assert "draft_tokens" not in metrics[2]
     assert shared_steps > 0
+
+
+# -- text the chat format feeds (gpt-oss's harmony: a spent reasoning budget) ------------------------------
+
+
+class Fixed(Proposer):
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def propose(self, history):
+        return Draft(list(self.tokens), 0.9)
+
+
+def evaluated(ev: Eval) -> Eval:
+    """``ev`` as a step leaves it (rows 0..n-1 of its own batch)."""
+    ev.done, ev.row = len(ev.tokens), len(ev.tokens) - 1
+    return ev
+
+
+def test_fed_text_after_a_kept_guess_drops_the_unread_guesses_and_goes_after_it():
+    from disaggregated_inference.backends.speculate import Lookahead
+
+    dropped = []
+    look = Lookahead(0, [1, 2, 3, 4, 5], Fixed([7, 8, 9]), lambda seq, pos: dropped.append(pos))
+    evaluated(look.first())
+    assert look.sampled(6) is False and dropped == []  # no draft in flight: nothing to drop
+    ev = evaluated(look.step([6], room=10))
+    assert ev.tokens == [6, 7, 8, 9] and ev.pos == 5 and look.row == 0
+    assert look.sampled(7) is True and look.row == 1  # kept: its KV (position 6) stays
+    fed = look.step([300, 301], room=10, draft=False)  # the format feeds text after it
+    assert dropped == [7]  # the guesses 8 and 9, from position 7 on
+    assert fed.tokens == [300, 301] and fed.pos == 7 and fed.draft_acceptance is None
+    assert look.history == [1, 2, 3, 4, 5, 6, 7, 300, 301]
+    assert look.finish() == {"draft_tokens": 3, "accepted_tokens": 1}
+
+
+def test_a_kept_guess_the_format_replaces_loses_its_cell():
+    from disaggregated_inference.backends.speculate import Lookahead
+
+    dropped = []
+    look = Lookahead(0, [1, 2, 3], Fixed([7, 8]), lambda seq, pos: dropped.append(pos))
+    evaluated(look.first())
+    look.sampled(6)
+    evaluated(look.step([6], room=10))
+    assert look.sampled(7) is True
+    look.unkeep()  # an end token the format turns into text: not part of the sequence
+    assert dropped == [4] and look.pos == 4 and look.history == [1, 2, 3, 6]
+    fed = look.step([400], room=10, draft=False)
+    assert fed.pos == 4 and dropped == [4]  # nothing more to drop
+    assert look.finish() == {"draft_tokens": 2, "accepted_tokens": 0}
