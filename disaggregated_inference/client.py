@@ -108,6 +108,7 @@ class DisaggregatedClient:
         self.retries = int(opts["retries"])
         self.failures_before_down = int(opts["failures_before_down"])
         self.route = opts["route"]
+        self.handoff_mode = opts["handoff_mode"]
         self.costs = routing.CostModel()  # what this client has measured, for route "auto"
         self.api_token = api_token or opts.get("api_token") or self.config.server.get("api_token")
         self.history: deque = deque(maxlen=int(opts["history_size"]))
@@ -173,6 +174,16 @@ class DisaggregatedClient:
             return {"kv_kind": "neutral_kv"}
         return {}
 
+    def _streams(self, model_key: str) -> bool:
+        """Whether to ask for the overlapped handoff: ``client.handoff_mode`` is "streamed" and no decode server
+        of the model said (in its last /health) that it takes only whole bundles (an older server)."""
+        if self.handoff_mode != "streamed":
+            return False
+        with self._lock:
+            modes = [s.health.get("handoff_modes") for s in self.servers.values()
+                     if s.entry.role == "decode" and s.entry.model == model_key and s.up and s.health]
+        return all(m is not None and "streamed" in m for m in modes)
+
     def _candidates(self, role: str, model_key: str) -> list[TrackedServer]:
         with self._lock:
             pool = [s for s in self.servers.values() if s.entry.role == role and s.entry.model == model_key]
@@ -201,9 +212,13 @@ class DisaggregatedClient:
             queue = int((prefill.health.get("slots") or {}).get("queued") or 0)
             queue += max(0, prefill.outstanding + 1 - prefill.slots)
         reported = tuple(s.health.get("prompt_speed") if s is not None else None for s in (prefill, decode))
+        # the overlapped handoff, where this client asks for it and the prefill server streams this model
+        streamed = self._streams(model_key) and prefill is not None and "streamed" in (
+            prefill.health.get("handoff_modes") or ("streamed",))
+        chunk = ((prefill.health.get("model_info") or {}).get("n_batch") if prefill is not None else None)
         return self.costs.decide(mode, model_key, routing.prompt_chars(source),
                                  prefill.entry.name if prefill else None, decode.entry.name if decode else None,
-                                 prefill_queue=queue, reported=reported)
+                                 prefill_queue=queue, reported=reported, streamed=streamed, chunk_tokens=chunk)
 
     def _learn(self, model_key: str, source: dict, answer: dict, metrics: dict, clean: bool) -> None:
         """Feed what this request measured to the cost model (``clean``: no retry or fallback inflated its times)."""
@@ -213,7 +228,7 @@ class DisaggregatedClient:
             return
         self.costs.observe(model_key, routing.prompt_chars(source), path,
                            answer["prefill_server"].entry.name if answer["prefill_server"] else None,
-                           answer["decode_server"].entry.name, (answer["prefill"] or {}).get("metrics", {}),
+                           answer["decode_server"].entry.name, _prefill_metrics(answer),
                            answer["decode"]["metrics"], metrics.get("ttft_end_to_end") if clean else None)
 
     def _mark_failure(self, server: TrackedServer, error: str, hard: bool = False) -> None:
@@ -390,6 +405,8 @@ class DisaggregatedClient:
         if not self._candidates("decode", model_key):
             raise NoServerAvailable(f"no healthy decode server for model {model_key!r}", role="decode")
         wanted = self._kv_kind(model_key)
+        if self._streams(model_key):
+            wanted["handoff_mode"] = "streamed"  # the prefill server answers at once where the model allows it
         prefill_server, prefilled = self._on("prefill", model_key, lambda s: self._post(
             s, "/prefill", {**source, **wanted}, self.prefill_timeout))
 
@@ -421,8 +438,9 @@ class DisaggregatedClient:
         "retry 1x"), the same server after ``DECODE_CONNECT_RETRY_DELAY``. Appends each send's
         time to ``sent`` and each retried failure to ``retries``."""
         sent.append(time.perf_counter())
+        timeout = self._decode_wait(body)
         try:
-            return self._post(server, path, body, self.decode_timeout)
+            return self._post(server, path, body, timeout)
         except DisaggError as exc:
             if not exc.details.get("connect_failed"):
                 raise
@@ -431,14 +449,20 @@ class DisaggregatedClient:
                         server.entry.name, exc.message)
         self._pause_before_retry()
         sent.append(time.perf_counter())
-        return self._post(server, path, body, self.decode_timeout)
+        return self._post(server, path, body, timeout)
+
+    def _decode_wait(self, body: dict) -> float:
+        """How long a decode request may take to answer: a streamed KV arrives while its prompt is still
+        being evaluated, so the prefill's own allowance is added."""
+        streamed = (body.get("kv") or {}).get("mode") == "streamed"
+        return self.decode_timeout + (self.prefill_timeout if streamed else 0.0)
 
     def _pause_before_retry(self) -> None:
         time.sleep(DECODE_CONNECT_RETRY_DELAY)
 
     @staticmethod
     def _metrics(answer: dict, started: float, notes: list) -> dict:
-        pre = (answer["prefill"] or {}).get("metrics", {})
+        pre = _prefill_metrics(answer)
         dec = answer["decode"]["metrics"]
         prompt_tokens = dec.get("prompt_tokens") or pre.get("prompt_tokens") or 0
         completion = dec.get("completion_tokens", 0)
@@ -473,6 +497,13 @@ class DisaggregatedClient:
         for key in ("canary", "canary_top1_match", "canary_divergence", "canary_tolerance", "canary_check_ms"):
             if key in dec:
                 metrics[key] = dec[key]
+        # how the KV went (whole after the prefill, or streamed during it) and, streamed, what was left after it
+        if answer["prefill"]:
+            metrics["handoff_mode"] = dec.get("handoff_mode") or pre.get("handoff_mode") or "whole"
+            for key in ("handoff_mode_reason", "kv_import", "kv_wait_time", "kv_exposed_time"):
+                value = dec.get(key, pre.get(key))
+                if value is not None:
+                    metrics[key] = value
         if pre.get("canary_ms") is not None:
             metrics["canary_ms"] = pre["canary_ms"]
         notes = notes + [f"decode server did not accept the connection, retried once: {m}"
@@ -554,7 +585,7 @@ class DisaggregatedClient:
         """``_disaggregated`` up to the first line of the decode server's stream."""
         prefill_server, prefilled, decode_server, lines = self._handoff(
             model_key, source, lambda server, pre: self._open_stream(
-                server, "/decode", {"kv": pre["kv"], **sampling}, self.decode_timeout))
+                server, "/decode", {"kv": pre["kv"], **sampling}, self._decode_wait(pre)))
         kind = (prefilled.get("kv") or {}).get("kind")
         return {"prefill": prefilled, "prefill_server": prefill_server, "decode_server": decode_server, "lines": lines,
                 "method": "token_ids_recompute" if kind == "token_ids" else "kv_handoff"}
@@ -634,6 +665,14 @@ def describe_overlap(figures: dict) -> str:
     overlap = figures.get("overlap")
     return (f"{figures.get('request_time') or 0:.2f} s of request time in {figures.get('wall_time') or 0:.2f} s "
             f"of wall time" + (f" ({overlap:.2f} requests in flight on average)" if overlap else ""))
+
+
+def _prefill_metrics(answer: dict) -> dict:
+    """The prefill's metrics: its /prefill answer's, and for a streamed handoff (answered before the prompt
+    was evaluated) those its KV stream ended with, which the decode server passes on."""
+    pre = dict((answer.get("prefill") or {}).get("metrics", {}))
+    pre.update((answer.get("decode") or {}).get("metrics", {}).get("prefill_metrics") or {})
+    return pre
 
 
 def _end_to_end_ttft(started: float, decode_sent_at: float, server_ttft: float | None) -> float | None:

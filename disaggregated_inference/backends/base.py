@@ -125,6 +125,16 @@ class Eval:
         return self.done >= len(self.tokens)
 
 
+@dataclass(eq=False)
+class Wait:
+    """What a batched backend's request yields when it cannot go on until something outside the model
+    happens (the next pieces of a streamed KV bundle): the owner parks it, evaluating the others, and
+    advances it again once ``ready()`` is true (checked after each step and whenever the owner is woken:
+    ``ModelOwner.wake``)."""
+
+    ready: Callable[[], bool]
+
+
 def rate(n, seconds: float):
     """Tokens per second, rounded; None when there is nothing to divide."""
     return round(n / seconds, 2) if n and seconds > 0 else None

@@ -22,6 +22,15 @@ top-p, temperature, seeded distribution, or greedy).
 a request whose prompt starts with the same tokens (a shared system prompt, a
 rubric, an earlier chat turn) takes that slot and evaluates only the rest, as
 llama.cpp's server does with ``cache_prompt``. See ``_acquire``.
+
+**Streamed handoff.** Given a sink (``kv/stream.py``), ``prefill`` lays the
+state out at its final size at once and hands over each chunk's rows as soon as
+the chunk is evaluated (cached cells at once), read straight from the cache
+tensors (``llama_cells.py``); ``decode`` of a streamed bundle imports the
+state's skeleton when it arrives and writes each later piece's rows into the
+cache as it lands, so that when the prefill ends only its last chunk is left
+to move. Models whose state the cache tensors do not reproduce (sliding-window
+models) hand over the whole state (``kv_streaming`` says why).
 """
 from __future__ import annotations
 
@@ -41,8 +50,10 @@ from ..kv import buffers
 from ..kv.buffers import HUGE_THRESHOLD, sendable
 from ..kv.bundle import KIND_LLAMA_SEQ_STATE, KIND_TOKEN_IDS
 from ..errors import BadRequest, BundleError, FingerprintMismatch
+from . import llama_cells
 from .gguf import resolve_gguf
-from .base import Backend, Eval, Event, Prefilled, Prompt, Received, Sampling, check_fits, gguf_prompt_tokens, rate
+from .base import (Backend, Eval, Event, Prefilled, Prompt, Received, Sampling, Wait, check_fits, gguf_prompt_tokens,
+                   rate)
 
 # A reused prefix counts only from this many tokens on (below it the lowest free slot is worth more:
 # see ``evaluate``). ggml's CPU matmul takes another path for fewer than 64 rows: a prompt's last rows
@@ -74,6 +85,10 @@ class LlamaCppBackend(Backend):
     accepts = (KIND_LLAMA_SEQ_STATE, KIND_TOKEN_IDS)
     batched = True
     ignores_eos = True
+    imports_streamed = True  # decode() takes a streamed bundle while it arrives (parking on Wait)
+
+    # tokens evaluated at load to check that the cache tensors reproduce the state API's export
+    PROBE_TEXT = b"The cells of one sequence, laid out from the cache tensors and exported."
 
     def __init__(self, settings):
         super().__init__(settings)
@@ -89,6 +104,9 @@ class LlamaCppBackend(Backend):
         self._prefix_cache = False
         self._state_bytes_per_token = 0.0  # of the last export: sizes the next export buffer in advance
         self._batch_capacity = 0
+        self._cells: llama_cells.CacheCells | None = None  # direct row access (streamed handoffs), when it checks out
+        self._cells_reason: str | None = None
+        self._cells_probed = False
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -163,7 +181,40 @@ class LlamaCppBackend(Backend):
         }
         # not on sliding-window models: their cache drops the cells a prefix's later tokens would need
         self._prefix_cache = bool(s.prefix_cache) and not self._fingerprint["n_swa"]
+        self._cells, self._cells_reason, self._cells_probed = None, None, False
         progress(f"loaded in {time.perf_counter() - started:.1f}s")
+
+    def probe_kv_streaming(self, seq: int | None = None) -> dict:
+        """Check, once, that the cache's rows can be moved directly (``llama_cells.probe``): in ``seq``
+        (a slot this request holds, left empty), else in a free slot. On the model's thread. Done at the
+        first streamed handoff, not at load: its first evaluation costs what a first request would."""
+        if not self._cells_probed:
+            self._cells_probed = True
+            tokens = self.model.tokenize(self.PROBE_TEXT, add_bos=True, special=False)
+            try:
+                if seq is None:
+                    with self.sequence() as free:
+                        self._cells = llama_cells.probe(self, free, tokens)
+                else:
+                    try:
+                        self._cells = llama_cells.probe(self, seq, tokens)
+                    finally:
+                        import llama_cpp
+
+                        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx.ctx), seq, -1, -1)
+            except llama_cells.Unavailable as exc:
+                self._cells_reason = str(exc)
+            except Exception as exc:  # a build whose functions misbehave: the whole-state handoff still works
+                self._cells_reason = f"probe failed: {type(exc).__name__}: {exc}"
+        return self.kv_streaming
+
+    @property
+    def kv_streaming(self) -> dict:
+        """Whether prefill streams the KV as chunks are evaluated and decode imports a stream as it arrives
+        (``enabled``; None until the first streamed handoff checked it), and if not, why."""
+        if not self._cells_probed:
+            return {"enabled": None, "reason": "checked at the first streamed handoff"}
+        return {"enabled": self._cells is not None, "reason": self._cells_reason}
 
     def fingerprint(self) -> dict:
         return dict(self._fingerprint)
@@ -188,7 +239,8 @@ class LlamaCppBackend(Backend):
                 "arch": self._fingerprint.get("arch"), "n_swa": self._fingerprint.get("n_swa"),
                 "n_vocab": self._fingerprint.get("n_vocab"), "prefix_cache": self._prefix_cache,
                 "library_version": self._fingerprint.get("library_version"),
-                "chat_template": self._template_source}
+                "chat_template": self._template_source, "kv_streaming": self.kv_streaming,
+                "n_batch": self.settings.n_batch}
 
     def close(self) -> None:
         import llama_cpp
@@ -315,7 +367,7 @@ class LlamaCppBackend(Backend):
 
     def run(self, request):
         """Drive one request generator (``prefill``/``decode``/``generate``) to its end here, alone in
-        every batch; returns (the events it yielded, its return value)."""
+        every batch (a ``Wait`` polled until it is ready); returns (the events it yielded, its return value)."""
         events = []
         try:
             while True:
@@ -323,6 +375,9 @@ class LlamaCppBackend(Backend):
                 if isinstance(item, Eval):
                     while not item.complete:
                         self.evaluate([item])
+                elif isinstance(item, Wait):
+                    while not item.ready():
+                        time.sleep(0.001)
                 else:
                     events.append(item)
         except StopIteration as stop:
@@ -411,17 +466,13 @@ class LlamaCppBackend(Backend):
             raise RuntimeError("llama_state_seq_get_data wrote nothing")
         return llama_state.to_single_stream(memoryview(buf)[:written])
 
-    def import_state(self, seq: int, received: Received) -> float:
-        """Load a bundle's KV into sequence ``seq``; afterwards ``received.payload`` is dropped."""
+    def _set_state(self, seq: int, payload) -> bool:
+        """Load a single-stream state into ``seq`` (converted to this context's streams in place, in the
+        room received buffers have around them); llama.cpp's verdict."""
         import llama_cpp
 
-        started = time.perf_counter()
-        payload = memoryview(received.payload).cast("B")
+        payload = memoryview(payload).cast("B")
         head, tail = self.receive_room()
-        if self.slots > 1:
-            # the conversion rewrites the state's first bytes, which the checksum may still be reading:
-            # with one slot there is nothing to convert, and the check overlaps the import instead
-            received.verify()
         try:
             room = buffers.room_around(payload, head, tail)
             if room is None:  # not received with room around it (in-process use): one copy
@@ -435,8 +486,29 @@ class LlamaCppBackend(Backend):
             src = (ctypes.c_uint8 * n).from_buffer(state)  # writable buffers: no copy
         except TypeError:
             src = (ctypes.c_uint8 * n).from_buffer_copy(state)
-        ok = llama_cpp.llama_state_seq_set_data(self.ctx.ctx, src, n, seq)
-        del src, state, room, payload
+        return bool(llama_cpp.llama_state_seq_set_data(self.ctx.ctx, src, n, seq))
+
+    def _check_positions(self, seq: int, n_tokens: int) -> None:
+        """The imported cache must end where the bundle's token ids say (all but the last evaluated)."""
+        import llama_cpp
+
+        mem = llama_cpp.llama_get_memory(self.ctx.ctx)
+        pos_max = llama_cpp.llama_memory_seq_pos_max(mem, seq)
+        if pos_max != n_tokens - 2:
+            llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
+            raise BundleError(f"KV state covers positions up to {pos_max}, but the bundle's {n_tokens} "
+                              f"token ids need {n_tokens - 2}", field="kv")
+
+    def import_state(self, seq: int, received: Received) -> float:
+        """Load a bundle's KV into sequence ``seq``; afterwards ``received.payload`` is dropped."""
+        import llama_cpp
+
+        started = time.perf_counter()
+        if self.slots > 1:
+            # the conversion rewrites the state's first bytes, which the checksum may still be reading:
+            # with one slot there is nothing to convert, and the check overlaps the import instead
+            received.verify()
+        ok = self._set_state(seq, received.payload)
         received.payload = None  # free the received copy as soon as llama.cpp holds the state
         mem = llama_cpp.llama_get_memory(self.ctx.ctx)
         try:
@@ -446,31 +518,79 @@ class LlamaCppBackend(Backend):
             raise
         if not ok:
             raise BundleError("llama.cpp refused the KV state (layout does not match this context)", field="kv")
-        k = len(received.tokens) - 1
-        pos_max = llama_cpp.llama_memory_seq_pos_max(mem, seq)
-        if pos_max != k - 1:
-            llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
-            raise BundleError(f"KV state covers positions up to {pos_max}, but the bundle's {len(received.tokens)} "
-                              f"token ids need {k - 1}", field="kv")
+        self._check_positions(seq, len(received.tokens))
         return time.perf_counter() - started
 
-    def prefill(self, prompt: Prompt):
+    def _import_streamed(self, seq: int, received: Received):
+        """Generator (yields ``Wait``): import a streamed state while it arrives; returns (seconds spent
+        importing on this thread, how: "progressive" or "at_end").
+
+        Progressive: its first piece is the state's skeleton (``SeqLayout``): once it is in, the state is
+        imported as it stands (every row not arrived yet zero or stale), which lays the cells out; each
+        later piece's rows are then written into the cache as they land. Pieces complete before that
+        import went in with it. With no direct row access here, or a layout that is not this context's,
+        the whole state is imported once it is all in. A stream that fails leaves nothing imported
+        (``decode``'s cleanup empties the slot)."""
+        incoming, n = received.incoming, len(received.tokens) - 1
+        self.probe_kv_streaming(seq)
+        yield Wait(lambda: bool(incoming.pieces) or incoming.settled())
+        if not incoming.pieces:
+            received.verify()  # the pull's error
+        layout = self._cells.layout if self._cells is not None else None
+        if (layout is not None and incoming.header.payload_bytes == layout.size(n)
+                and list(incoming.pieces[0].segments) == layout.skeleton_segments(n)):
+            spent, t = 0.0, time.perf_counter()
+            seen = len(incoming.pieces)  # complete before the import reads the buffer: they go in with it
+            if not self._set_state(seq, received.payload):
+                raise BundleError("llama.cpp refused the KV state (layout does not match this context)", field="kv")
+            self._check_positions(seq, len(received.tokens))
+            spent += time.perf_counter() - t
+            while True:
+                new = incoming.pieces_since(seen)
+                t = time.perf_counter()
+                for piece in new:
+                    try:
+                        self._cells.write(seq, n, received.payload, piece.segments)
+                    except llama_state.StateLayoutError as exc:
+                        raise BundleError(f"a KV piece is not rows of this state: {exc}", field="kv") from None
+                spent += time.perf_counter() - t
+                seen += len(new)
+                if incoming.settled() and len(incoming.pieces) == seen:
+                    break
+                yield Wait(lambda: len(incoming.pieces) > seen or incoming.settled())
+            received.verify()  # every byte in, every piece checked; or the pull's error
+            received.payload = None
+            return spent, "progressive"
+        yield Wait(incoming.settled)
+        received.verify()
+        return self.import_state(seq, received), "at_end"
+
+    def prefill(self, prompt: Prompt, kv_stream=None):
+        """Evaluate all but the prompt's last token and export its KV (with ``kv_stream``, a sink of
+        ``kv/stream.py``: hand it over chunk by chunk as the chunks are evaluated; see ``kv_streaming``)."""
         t0 = time.perf_counter()
         tokens, stops = self.tokenize(prompt)
         tokenize_time = time.perf_counter() - t0
         self._check_fits(len(tokens))
+        if kv_stream is not None and not self.probe_kv_streaming()["enabled"]:
+            raise RuntimeError(f"this model's KV cannot be streamed: {self._cells_reason}")
         seq, cached = self._acquire(tokens)
         keep = None
         try:
-            prepared = self._prepare_buffer(len(tokens) - 1)
-            t1 = time.perf_counter()
-            yield from self._evaluate_all_but_last(seq, tokens, cached)
-            prefill_time = time.perf_counter() - t1
-            buffer = prepared()
-            t2 = time.perf_counter()
-            payload = self.export_state(seq, buffer)
-            export_time = time.perf_counter() - t2
-            del buffer
+            if kv_stream is not None:
+                t1 = time.perf_counter()
+                payload, read_time = yield from self._prefill_streamed(seq, tokens, cached, stops, kv_stream)
+                prefill_time, export_time = time.perf_counter() - t1, read_time
+            else:
+                prepared = self._prepare_buffer(len(tokens) - 1)
+                t1 = time.perf_counter()
+                yield from self._evaluate_all_but_last(seq, tokens, cached)
+                prefill_time = time.perf_counter() - t1
+                buffer = prepared()
+                t2 = time.perf_counter()
+                payload = self.export_state(seq, buffer)
+                export_time = time.perf_counter() - t2
+                del buffer
             # the canary: the last prompt token, evaluated after the export (which therefore still ends one
             # token early, as the decode side expects), gives the next-token distribution to check against
             t3 = time.perf_counter()
@@ -489,14 +609,50 @@ class LlamaCppBackend(Backend):
         meta = {"stop": list(stops)}
         if canary is not None:
             meta["canary"] = canary
-        return Prefilled(
-            kind=KIND_LLAMA_SEQ_STATE, tokens=tokens, payload=payload, fingerprint=self.fingerprint(), meta=meta,
-            metrics={"prompt_tokens": len(tokens), "prompt_tokens_evaluated": evaluated,
-                     "prompt_tokens_cached": cached, "tokenize_time": round(tokenize_time, 6),
-                     "prefill_time": round(prefill_time, 6),
-                     "prefill_speed": rate(evaluated, prefill_time), "kv_export_time": round(export_time, 6),
-                     "kv_bytes": len(payload), "canary_ms": round(canary_time * 1000, 3) if canary else None},
-        )
+        metrics = {"prompt_tokens": len(tokens), "prompt_tokens_evaluated": evaluated,
+                   "prompt_tokens_cached": cached, "tokenize_time": round(tokenize_time, 6),
+                   "prefill_time": round(prefill_time, 6), "prefill_speed": rate(evaluated, prefill_time),
+                   "kv_bytes": len(payload), "canary_ms": round(canary_time * 1000, 3) if canary else None,
+                   "handoff_mode": "streamed" if kv_stream is not None else "whole"}
+        # streamed: the rows read from the cache chunk by chunk (part of prefill_time); else the export after it
+        metrics["kv_read_time" if kv_stream is not None else "kv_export_time"] = round(export_time, 6)
+        if kv_stream is not None:
+            metrics["kv_chunk_tokens"] = self.settings.n_batch  # the last chunk's KV is what leaves after the prefill
+        return Prefilled(kind=KIND_LLAMA_SEQ_STATE, tokens=tokens, payload=payload, fingerprint=self.fingerprint(),
+                         meta=meta, metrics=metrics)
+
+    def _prefill_streamed(self, seq: int, tokens: list[int], cached: int, stops, sink):
+        """Generator: evaluate ``tokens[cached:-1]`` into ``seq`` chunk by chunk (the boundaries
+        ``evaluate`` keeps: multiples of ``n_batch``, so the numerics are the whole evaluation's), handing
+        ``sink`` the state's skeleton first, then each chunk's rows (the cached ones at once) as soon as
+        they are final. Returns (the payload, seconds spent reading rows)."""
+        n, chunk = len(tokens) - 1, self.settings.n_batch
+        layout = self._cells.layout
+        payload = sendable(layout.size(n))
+        skeleton = layout.skeleton(n, seq, payload)
+        sink.open(KIND_LLAMA_SEQ_STATE, tokens, payload, self.fingerprint(), {"stop": list(stops)})
+        sink.ready(skeleton)
+        read = 0.0
+
+        def publish(c0: int, c1: int) -> None:
+            nonlocal read
+            t = time.perf_counter()
+            for segments in self._cells.read(seq, n, c0, c1, payload):  # a piece per layer: K rows, V rows
+                sink.ready(segments)
+            read += time.perf_counter() - t
+            sink.progress(c1)
+
+        if cached:
+            publish(0, cached)
+        start = cached
+        while start < n:
+            end = min(n, (start // chunk + 1) * chunk)
+            ev = Eval(seq, tokens[start:end], start, logits=False)
+            yield ev
+            publish(start, end)
+            start = end
+        sink.ended()
+        return payload, read
 
     def decode(self, received: Received, sampling: Sampling, cancelled) -> Iterator:
         started = time.perf_counter()
@@ -507,9 +663,13 @@ class LlamaCppBackend(Backend):
         seq, cached = self._acquire(received.tokens if received.kind == KIND_TOKEN_IDS else None)
         keep = None
         try:
-            canary = None
+            canary, streamed = None, {}
             if received.kind == KIND_LLAMA_SEQ_STATE:
-                load_time = self.import_state(seq, received)
+                if received.incoming is not None:  # still arriving: imported as it comes
+                    load_time, how = yield from self._import_streamed(seq, received)
+                    streamed = {"kv_import": how}
+                else:
+                    load_time = self.import_state(seq, received)
                 method, recomputed = "kv_handoff", 0
                 canary = received.meta.get("canary") or {}  # {}: the bundle has none (reported as absent)
             elif received.kind == KIND_TOKEN_IDS:  # only ids arrived: recompute the prompt here
@@ -521,7 +681,7 @@ class LlamaCppBackend(Backend):
             yield from self._continue(seq, received.tokens, sampler, sampling, stops, cancelled=cancelled,
                                       started=started, recomputed=recomputed, canary=canary,
                                       extra={"kv_load_time": round(load_time, 6), "method": method,
-                                             "prompt_tokens_cached": cached})
+                                             "prompt_tokens_cached": cached, **streamed})
             keep = received.tokens
         finally:
             self._release(seq, keep)

@@ -10,8 +10,11 @@ before it pulls a KV bundle, so it never consumes a lease it cannot serve.
 A batched backend (llama.cpp) runs every admitted request as a generator on the
 owner thread: each step the owner collects the ``Eval`` requests of all of them
 and the backend evaluates them in one batch (continuous batching: requests join
-and leave between steps). Other backends (Ollama, which batches behind its own
-API) run each request to its end on one of ``slots`` worker threads.
+and leave between steps). A request that waits for something else (a streamed
+KV bundle's next pieces) yields a ``Wait`` and is parked, the others going on,
+until its ``ready()`` holds; whoever makes it hold calls ``wake``. Other backends
+(Ollama, which batches behind its own API) run each request to its end on one
+of ``slots`` worker threads.
 
 The owner thread also loads the model, so a server answers /health while loading.
 At interpreter exit (a worker told to stop) the owner is stopped and joined, so the
@@ -35,6 +38,12 @@ from ..errors import BackendUnavailable, Overloaded
 
 log = logging.getLogger(__name__)
 _STOP = object()
+_WAKE = object()
+PARKED_POLL_SECONDS = 1.0  # a parked request's ready() is checked at least this often, woken or not
+
+
+def _is_eval(item) -> bool:
+    return hasattr(item, "seq") and hasattr(item, "tokens")
 
 
 class Reservation:
@@ -188,6 +197,10 @@ class ModelOwner:
         """
         return _JobStream(self._submit(fn, True, reservation))
 
+    def wake(self) -> None:
+        """Have the owner check its parked requests (a ``Wait``'s condition may hold now)."""
+        self._jobs.put(_WAKE)
+
     def close(self) -> None:
         self._jobs.put(_STOP)
 
@@ -239,8 +252,9 @@ class ModelOwner:
     def _serve_batched(self) -> None:
         active: list[_Task] = []
         while True:
-            try:  # wait for work only when there is nothing to step
-                job = self._jobs.get(block=not active)
+            stepping = any(_is_eval(t.pending) for t in active)
+            try:  # wait for work only when there is nothing to step (parked requests are looked at now and then)
+                job = self._jobs.get(block=not stepping, timeout=PARKED_POLL_SECONDS if active else None)
             except queue.Empty:
                 job = None
             while job is not None:
@@ -249,14 +263,18 @@ class ModelOwner:
                         task.gen.close()
                         task.job.reservation.release()
                     return
-                self._start(job, active)
+                if job is not _WAKE:
+                    self._start(job, active)
                 try:
                     job = self._jobs.get_nowait()
                 except queue.Empty:
                     job = None
             for task in [t for t in active if t.job.cancelled]:
                 self._finish(task, active, None)
-            pending = [t for t in active if t.pending is not None]
+            for task in [t for t in active if t.pending is not None and not _is_eval(t.pending)]:
+                if task.pending.ready():
+                    self._advance(task, active)
+            pending = [t for t in active if _is_eval(t.pending)]
             self.active = len(active)
             if not pending:
                 continue
@@ -295,7 +313,7 @@ class ModelOwner:
         try:
             while True:
                 item = task.gen.send(None)
-                if hasattr(item, "seq") and hasattr(item, "tokens"):  # an Eval
+                if _is_eval(item) or hasattr(item, "ready"):  # an Eval, or a Wait: parked until ready()
                     task.pending = item
                     return
                 job.out.put(("item", item))
