@@ -107,6 +107,7 @@ class LlamaCppBackend(Backend):
         self._cells: llama_cells.CacheCells | None = None  # direct row access (streamed handoffs), when it checks out
         self._cells_reason: str | None = None
         self._cells_probed = False
+        self._batches = 0  # llama_decode calls: a row's logits are valid until the next one
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -189,23 +190,27 @@ class LlamaCppBackend(Backend):
         (a slot this request holds, left empty), else in a free slot. On the model's thread. Done at the
         first streamed handoff, not at load: its first evaluation costs what a first request would."""
         if not self._cells_probed:
+            import llama_cpp
+
             self._cells_probed = True
             tokens = self.model.tokenize(self.PROBE_TEXT, add_bos=True, special=False)
+            borrowed = seq is None
+            if borrowed:  # a free slot, one that keeps no cached prompt if there is one
+                seq = next((s for s in reversed(self._free) if s not in self._cached), self._free[-1])
+                self._free.remove(seq)
+                self._cached.pop(seq, None)
             try:
-                if seq is None:
-                    with self.sequence() as free:
-                        self._cells = llama_cells.probe(self, free, tokens)
-                else:
-                    try:
-                        self._cells = llama_cells.probe(self, seq, tokens)
-                    finally:
-                        import llama_cpp
-
-                        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx.ctx), seq, -1, -1)
+                llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx.ctx), seq, -1, -1)
+                self._cells = llama_cells.probe(self, seq, tokens)
             except llama_cells.Unavailable as exc:
                 self._cells_reason = str(exc)
             except Exception as exc:  # a build whose functions misbehave: the whole-state handoff still works
                 self._cells_reason = f"probe failed: {type(exc).__name__}: {exc}"
+            finally:
+                if borrowed:
+                    self._release(seq)
+                else:
+                    llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx.ctx), seq, -1, -1)
         return self.kv_streaming
 
     @property
@@ -353,6 +358,7 @@ class LlamaCppBackend(Backend):
         if not n:
             return 0
         b.n_tokens = n
+        self._batches += 1
         rc = llama_cpp.llama_decode(self.ctx.ctx, b)
         if rc != 0:
             raise RuntimeError(f"llama_decode failed ({rc}) for a batch of {n} tokens")
@@ -555,15 +561,33 @@ class LlamaCppBackend(Backend):
                         raise BundleError(f"a KV piece is not rows of this state: {exc}", field="kv") from None
                 spent += time.perf_counter() - t
                 seen += len(new)
-                if incoming.settled() and len(incoming.pieces) == seen:
+                if (incoming.complete or incoming.settled()) and len(incoming.pieces) == seen:
                     break
                 yield Wait(lambda: len(incoming.pieces) > seen or incoming.settled())
-            received.verify()  # every byte in, every piece checked; or the pull's error
-            received.payload = None
-            return spent, "progressive"
+            if incoming.error is not None:
+                received.verify()
+            return spent, "progressive"  # every row is in; the end marker (and the canary) may still come
         yield Wait(incoming.settled)
         received.verify()
         return self.import_state(seq, received), "at_end"
+
+    def _last_token_meanwhile(self, seq: int, received: Received):
+        """Generator: with every row of a streamed state in place but its end (the canary, which the
+        prefill side computes from its last token) still on its way, evaluate the last token now rather
+        than after it; returns that ``Eval`` for ``_continue``, or None when other requests' steps ran
+        while the end was awaited (the row's logits are gone: the token is evaluated again)."""
+        import llama_cpp
+
+        incoming, last = received.incoming, len(received.tokens) - 1
+        ev = Eval(seq, [received.tokens[-1]], last)
+        yield ev
+        mark = self._batches
+        yield Wait(incoming.settled)
+        received.verify()
+        if self._batches == mark:
+            return ev
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx.ctx), seq, last, -1)
+        return None
 
     def prefill(self, prompt: Prompt, kv_stream=None):
         """Evaluate all but the prompt's last token and export its KV (with ``kv_stream``, a sink of
@@ -629,6 +653,7 @@ class LlamaCppBackend(Backend):
         n, chunk = len(tokens) - 1, self.settings.n_batch
         layout = self._cells.layout
         payload = sendable(layout.size(n))
+        buffers.populate(payload)  # its pages fault in beside the first chunk's evaluation, not in its reads
         skeleton = layout.skeleton(n, seq, payload)
         sink.open(KIND_LLAMA_SEQ_STATE, tokens, payload, self.fingerprint(), {"stop": list(stops)})
         sink.ready(skeleton)
@@ -663,11 +688,15 @@ class LlamaCppBackend(Backend):
         seq, cached = self._acquire(received.tokens if received.kind == KIND_TOKEN_IDS else None)
         keep = None
         try:
-            canary, streamed = None, {}
+            canary, streamed, early = None, {}, None
             if received.kind == KIND_LLAMA_SEQ_STATE:
                 if received.incoming is not None:  # still arriving: imported as it comes
                     load_time, how = yield from self._import_streamed(seq, received)
                     streamed = {"kv_import": how}
+                    if not received.incoming.settled():
+                        early = yield from self._last_token_meanwhile(seq, received)
+                    received.verify()  # every byte in, every piece checked; or the pull's error
+                    received.payload = None
                 else:
                     load_time = self.import_state(seq, received)
                 method, recomputed = "kv_handoff", 0
@@ -681,7 +710,7 @@ class LlamaCppBackend(Backend):
             yield from self._continue(seq, received.tokens, sampler, sampling, stops, cancelled=cancelled,
                                       started=started, recomputed=recomputed, canary=canary,
                                       extra={"kv_load_time": round(load_time, 6), "method": method,
-                                             "prompt_tokens_cached": cached, **streamed})
+                                             "prompt_tokens_cached": cached, **streamed}, evaluated=early)
             keep = received.tokens
         finally:
             self._release(seq, keep)
@@ -741,12 +770,13 @@ class LlamaCppBackend(Backend):
         return self._eog
 
     def _continue(self, seq, tokens, sampler, sampling: Sampling, stops, *, cancelled, started, recomputed, extra,
-                  canary: dict | None = None):
+                  canary: dict | None = None, evaluated: Eval | None = None):
         """Evaluate the prompt's last token in ``seq`` (which holds the rest), then sample the answer.
 
         With ``canary`` (a handed-over state; ``{}`` when its bundle carried none), the next-token
         distribution is checked against the prefill side's first: ``CanaryMismatch`` before anything
-        is sampled when it is beyond tolerance."""
+        is sampled when it is beyond tolerance. ``evaluated``: that token's ``Eval``, already done
+        (a streamed state's, while its canary was on its way), its row still valid."""
         import llama_cpp
 
         stop = tuple(sampling.stop) + tuple(s for s in stops if s not in sampling.stop)
@@ -756,8 +786,9 @@ class LlamaCppBackend(Backend):
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         text, sent, generated, finish, cut_at_stop = "", 0, 0, "length", False
         t_gen = time.perf_counter()
-        ev = Eval(seq, [tokens[-1]], len(tokens) - 1)
-        yield ev
+        ev = evaluated or Eval(seq, [tokens[-1]], len(tokens) - 1)
+        if evaluated is None:
+            yield ev
         recomputed += 1
         if canary is not None:
             try:

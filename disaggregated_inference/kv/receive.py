@@ -186,6 +186,7 @@ class Incoming:
         self.pieces: list[bundle.Piece] = []
         self.trailer: dict = {}
         self.finished = self.abandoned = self.closed = False
+        self.complete = False  # every payload byte is in (the trailer and end marker may still come)
         self.error: DisaggError | None = None
         self.on_change: Callable[[], None] = lambda: None
         self._timeout, self._stall, self._started = timeout, stall, started
@@ -206,6 +207,7 @@ class Incoming:
                     self._src.deadline = time.perf_counter() + self._timeout
                     with self._lock:
                         self.pieces.append(value)
+                        self.complete = coverage.complete
                 elif kind == "progress":
                     if value > self.progress:
                         self.progress, self._src.deadline = value, time.perf_counter() + self._timeout
