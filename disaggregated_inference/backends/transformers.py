@@ -15,6 +15,11 @@ checkpoint-order weights (tests/test_transformers_backend.py compares its K with
 llama.cpp's, which is "interleaved"). An MLX decode server permutes K on import.
 Decode takes ``neutral_kv`` from any engine (K permuted into halves where it
 arrives interleaved) or ``token_ids``; generate is the decode-only fallback.
+
+Streamed (the overlapped handoff, ``kv/stream.py``): a forward hook after each
+decoder layer copies that layer's K and V of the chunk just evaluated into their
+place in the neutral payload and hands them over as one piece, so the layers'
+bytes leave while the layers above them still compute.
 ``json_schema`` is refused (400): no grammar-constrained sampling here.
 
 ``device``: ``auto`` (CUDA when torch sees it, else the CPU), ``cpu``, ``cuda``,
@@ -30,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..errors import BadRequest, BundleError, ConfigError, FingerprintMismatch
+from ..kv import buffers
 from ..kv import fingerprint as fp
 from ..kv import neutral
 from ..kv.bundle import KIND_NEUTRAL_KV, KIND_TOKEN_IDS
@@ -193,19 +199,25 @@ class TransformersBackend(Backend):
 
     # -- the verbs -------------------------------------------------------------------------------
 
-    def prefill(self, prompt: Prompt) -> Prefilled:
+    kv_streaming = {"enabled": True, "reason": None}  # prefill streams its KV layer by layer (kv_stream)
+
+    def prefill(self, prompt: Prompt, kv_stream=None) -> Prefilled:
         t0 = time.perf_counter()
         tokens, stops = self.vocab.tokenize(prompt)
         tokenize_time = time.perf_counter() - t0
         check_fits(len(tokens), self.settings.n_ctx)
         cache = self.new_cache()
         t1 = time.perf_counter()
-        if len(tokens) > 1:
-            self.evaluate(tokens[:-1], cache)
-        prefill_time = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        meta, payload = neutral.encode(self.export_neutral(cache, len(tokens) - 1))
-        export_time = time.perf_counter() - t2
+        if kv_stream is not None:
+            meta, payload, export_time = self._prefill_streamed(tokens, cache, stops, kv_stream)
+            prefill_time = time.perf_counter() - t1
+        else:
+            if len(tokens) > 1:
+                self.evaluate(tokens[:-1], cache)
+            prefill_time = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            meta, payload = neutral.encode(self.export_neutral(cache, len(tokens) - 1))
+            export_time = time.perf_counter() - t2
         evaluated = len(tokens) - 1
         extra = {"stop": list(stops), "neutral": meta}
         t3 = time.perf_counter()
@@ -216,10 +228,52 @@ class TransformersBackend(Backend):
             kind=KIND_NEUTRAL_KV, tokens=tokens, payload=payload, fingerprint=self.fingerprint(), meta=extra,
             metrics={"prompt_tokens": len(tokens), "prompt_tokens_evaluated": evaluated,
                      "tokenize_time": round(tokenize_time, 6), "prefill_time": round(prefill_time, 6),
-                     "prefill_speed": rate(evaluated, prefill_time), "kv_export_time": round(export_time, 6),
-                     "kv_bytes": len(payload),
+                     "prefill_speed": rate(evaluated, prefill_time),
+                     # streamed: the layers' copies into the payload, made during the prefill (part of it)
+                     "kv_read_time" if kv_stream is not None else "kv_export_time": round(export_time, 6),
+                     "kv_bytes": len(memoryview(payload).cast("B")),
+                     "handoff_mode": "streamed" if kv_stream is not None else "whole",
                      "canary_ms": round(canary_time * 1000, 3) if "canary" in extra else None},
         )
+
+    def _prefill_streamed(self, tokens, cache, stops, sink) -> tuple[dict, object, float]:
+        """Evaluate ``tokens[:-1]`` into ``cache`` handing ``sink`` each layer's K and V of each chunk as soon
+        as that layer has run on it (a forward hook per decoder layer); returns (meta, payload, copy time)."""
+        n, layout = len(tokens) - 1, self.expected_layout()
+        meta = neutral.validate_meta({
+            "layout": neutral.LAYOUT, "dtype": _NEUTRAL_DTYPES[str(self.model.dtype).removeprefix("torch.")],
+            "n_layer": layout["n_layer"], "n_kv_heads": layout["n_kv_heads"], "head_dim_k": layout["head_dim_k"],
+            "head_dim_v": layout["head_dim_v"], "n_kv_tokens": n, "pos_start": 0, "rope": layout["rope"],
+            "head_dim_order": layout["head_dim_order"], "model": self.identity()})
+        payload = buffers.sendable(neutral.payload_bytes(meta))
+        buffers.populate(payload)
+        arrays = [(k, v) for _, k, v in neutral.iter_layers(meta, payload)]
+        sink.open(KIND_NEUTRAL_KV, tokens, payload, self.fingerprint(), {"stop": list(stops), "neutral": meta})
+        copied = [0.0]
+
+        def after(il: int):
+            def hook(module, args, output):
+                t = time.perf_counter()
+                chunk = (output[0] if isinstance(output, tuple) else output).shape[1]
+                layer = cache.layers[il]
+                end = layer.keys.shape[-2]
+                arrays[il][0][:, end - chunk:end] = _as_numpy(layer.keys[0, :, end - chunk:end])
+                arrays[il][1][:, end - chunk:end] = _as_numpy(layer.values[0, :, end - chunk:end])
+                sink.ready(neutral.token_segments(meta, il, end - chunk, end))
+                if il == len(arrays) - 1:
+                    sink.progress(end)
+                copied[0] += time.perf_counter() - t
+            return hook
+
+        hooks = [layer.register_forward_hook(after(il)) for il, layer in enumerate(self.model.model.layers)]
+        try:
+            if n:
+                self.evaluate(tokens[:-1], cache)
+        finally:
+            for handle in hooks:
+                handle.remove()
+        sink.ended()
+        return meta, payload, copied[0]
 
     def decode(self, received: Received, sampling: Sampling, cancelled) -> Iterator[Event]:
         _refuse_schema(sampling)
