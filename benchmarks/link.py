@@ -22,7 +22,8 @@ both evaluate the whole prompt):
   pull of the bundle, after the prefill);
 - ``exposed_transfer_s``: what the overlapped handoff's transfer leaves after the
   prefill ends (from the end of the prompt's evaluation to the last KV byte in,
-  on this one machine's clock);
+  on this one machine's clock; ``stream_end_after_prefill_s`` to the stream's end,
+  which follows the canary the prefill side computes from the last token);
 - ``ttft_whole_s``, ``ttft_overlapped_s``: time to first token end to end, as a
   client beside the decode server sees it (the ``/prefill`` round trip plus the
   decode server's own TTFT), and each less its prefill (``ttft_after_prefill_*``);
@@ -302,6 +303,7 @@ def handoff(http, prefill: str, decode: str, prompt: str, mode: str) -> dict:
         raise RuntimeError(f"asked for a {mode} handoff, got {pre['handoff_mode']}: {pre.get('handoff_mode_reason')}")
     return {"mode": mode, "prompt_tokens": pre["prompt_tokens"], "kv_bytes": pre["kv"]["bytes"],
             "prefill_s": pm["prefill_time"], "transfer_s": m["kv_transfer_time"], "exposed_s": m.get("kv_exposed_time"),
+            "end_s": m.get("kv_end_after_prefill_time"),
             "ttft_s": ttft, "ttft_after_prefill_s": ttft - pm["prefill_time"], "import": m.get("kv_import"),
             "kv_load_s": m.get("kv_load_time"), "canary": m.get("canary"), "text": dec["generated_text"],
             "copy_s": pm.get("kv_export_time") or pm.get("kv_read_time")}
@@ -328,6 +330,7 @@ def measure(http, prefill: str, decode: str, vocab, sizes, rounds: int, link: st
         row = {"link": link, "tokens": size, "prompt_tokens": whole[0]["prompt_tokens"], "kv_bytes": whole[0]["kv_bytes"],
                "rounds": rounds, "prefill_s": med(whole, "prefill_s"), "prefill_streamed_s": med(streamed, "prefill_s"),
                "whole_transfer_s": med(whole, "transfer_s"), "exposed_transfer_s": med(streamed, "exposed_s"),
+               "stream_end_after_prefill_s": med(streamed, "end_s"),
                "streamed_receiving_s": med(streamed, "transfer_s"),
                "ttft_whole_s": med(whole, "ttft_s"), "ttft_overlapped_s": med(streamed, "ttft_s"),
                "ttft_after_prefill_whole_s": med(whole, "ttft_after_prefill_s"),
@@ -471,6 +474,7 @@ def main(argv=None) -> int:
         if link is not None:
             link.close()
     out["machine"]["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    shutil.rmtree(log_dir, ignore_errors=True)  # the servers' logs; kept when a run fails
     out["seconds"] = round(time.time() - started, 1)
     if args.json:
         print(json.dumps(out))

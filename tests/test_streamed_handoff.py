@@ -8,6 +8,7 @@ serves a damaged bundle, or relays a real prefill server's stream and kills that
 from __future__ import annotations
 
 import io
+import json
 import socket
 import struct
 import threading
@@ -211,6 +212,31 @@ def test_a_piece_with_a_bad_checksum_is_refused_and_nothing_is_imported(http, at
     # nothing of it stayed in a slot: computing the prompt there finds no cached start
     alone = http.post(f"{at['local-decode-qwen']}/generate", json={"prompt": prompt, "max_new_tokens": 2}).json()
     assert alone["metrics"]["prompt_tokens_cached"] == 0
+
+
+def with_trailer(raw: bytes, change) -> bytes:
+    """A streamed bundle's bytes with its trailer (JSON) passed through ``change``."""
+    at = raw.rindex(bundle.TAG_TRAILER, 0, len(raw) - 13)
+    (length,) = struct.unpack_from("<I", raw, at + 1)
+    if at + 5 + length + 13 != len(raw):
+        raise AssertionError("the trailer is not the frame before the end marker")
+    trailer = change(json.loads(raw[at + 5:at + 5 + length]))
+    return raw[:at] + bundle.encode_trailer(trailer) + raw[at + 5 + length:]
+
+
+def test_a_streamed_state_whose_canary_disagrees_is_refused_before_anything_is_generated(http, at, stand_in):
+    prompt = "Canary copy. " + PROMPT
+    pre = prefill(http, at["local-prefill-qwen"], prompt)
+
+    def lie(trailer):  # the state is intact; the prefill's next-token distribution is not what it says
+        trailer["meta"]["canary"]["logprobs"] = [x - 3.0 for x in trailer["meta"]["canary"]["logprobs"]]
+        return trailer
+
+    url = stand_in.serve("/kv/lying", with_trailer(stream_bytes(http, at["local-prefill-qwen"], pre["kv"]), lie))
+    out = decode(http, at["local-decode-qwen"], {**pre["kv"], "url": url, "handle": "lying"})
+    assert out.status_code == 422, out.text
+    assert out.json()["code"] == "canary_mismatch"
+    assert slots_settle(http, at["local-decode-qwen"])["slots"]["busy"] == 0
 
 
 def test_a_prefill_server_killed_mid_stream_leaves_a_clear_error_and_the_client_falls_back(

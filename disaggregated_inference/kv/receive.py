@@ -193,7 +193,8 @@ class Incoming:
         self._lock = threading.Lock()
         self.receiving_time = 0.0  # seconds spent reading piece bytes (not waiting for the prefill)
         self.progress = 0
-        self.finished_at: float | None = None  # time.time() at the end marker
+        self.complete_at: float | None = None  # time.time() when the last payload byte was in
+        self.finished_at: float | None = None  # time.time() at the end marker (after the trailer: the canary)
 
     def pump(self) -> None:
         """Read the rest of the bundle; raise (and record) what failed. Called once."""
@@ -208,6 +209,8 @@ class Incoming:
                     with self._lock:
                         self.pieces.append(value)
                         self.complete = coverage.complete
+                    if self.complete:
+                        self.complete_at = time.time()
                 elif kind == "progress":
                     if value > self.progress:
                         self.progress, self._src.deadline = value, time.perf_counter() + self._timeout
@@ -256,8 +259,11 @@ class Incoming:
             raise BundleError(f"the streamed KV bundle from {_origin(self.ref)} is not complete", field="kv")
 
     def stats(self) -> dict:
-        """What the pull measured: bytes, the time spent receiving them, the wait for the prefill, and the
-        tail after the prefill ended (on the two machines' wall clocks: meaningful when they agree)."""
+        """What the pull measured: bytes, the time spent receiving them, the wait for the prefill, and what
+        was left after the prefill's last chunk was evaluated, on the two machines' wall clocks (meaningful
+        where they agree, as on one machine): until the last payload byte was in (``kv_exposed_time``),
+        and until the end marker, which follows the canary the prefill side computes after its last chunk
+        (``kv_end_after_prefill_time``)."""
         total = time.perf_counter() - self._started
         ended = self.trailer.get("prefill_ended_at")
         out = {"kv_bytes": self.header.payload_bytes, "kv_transfer_time": round(self.receiving_time, 6),
@@ -266,7 +272,8 @@ class Incoming:
                "kv_pull_time": round(total, 6), "kv_wait_time": round(max(0.0, total - self.receiving_time), 6),
                "kv_pieces": len(self.pieces), "handoff_mode": "streamed"}
         if isinstance(ended, (int, float)) and self.finished_at is not None:
-            out["kv_exposed_time"] = round(max(0.0, self.finished_at - ended), 6)
+            out["kv_exposed_time"] = round(max(0.0, (self.complete_at or self.finished_at) - ended), 6)
+            out["kv_end_after_prefill_time"] = round(max(0.0, self.finished_at - ended), 6)
         if isinstance(self.trailer.get("send_tail_s"), (int, float)):
             out["kv_send_tail_time"] = self.trailer["send_tail_s"]
         return out

@@ -109,11 +109,11 @@ def create_app(config=None, backend=None) -> Flask:
         events = st.owner.stream(job, reservation)  # closing it cancels the prefill
         try:
             streaming.wait_open(settings.queue_timeout + settings.kv_fetch_timeout)
+            lease = st.leases.put(streaming.header, streaming.tokens, streaming.payload, req.lease_seconds,
+                                  streaming=streaming)  # 503 when its KV would not fit under max_lease_bytes
         except BaseException:
             events.close()
             raise
-        lease = st.leases.put(streaming.header, streaming.tokens, streaming.payload, req.lease_seconds,
-                              streaming=streaming)
 
         def abandoned() -> None:  # the pull broke off, or the lease was given up: stop, free it all
             events.close()
