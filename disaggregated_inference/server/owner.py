@@ -235,6 +235,8 @@ class ModelOwner:
                 if job is _STOP:
                     self._jobs.put(_STOP)  # let the other workers see it
                     return
+                if job is _WAKE:  # nothing parks here: each request has its thread
+                    continue
                 with self._lock:
                     self.active += 1
                 try:
