@@ -15,6 +15,7 @@ each with its divergence, top-1 agreement, the tolerance that applied and whethe
 the prefill side's canary cost (``canary_ms``) and the decode side's check (``canary_check_ms``).
 
     .venv/bin/python benchmarks/canary.py --json [--model smollm2] [--no-flash-attn] [--sizes 64 512 1500]
+    .venv/bin/python benchmarks/canary.py --quick --json   # seconds: the tiny model, two prompt sizes
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import quick  # noqa: E402
 from disaggregated_inference.backends.base import Eval, ModelSettings, Prefilled, Prompt, Sampling  # noqa: E402
 from disaggregated_inference.backends.llama_cpp import LlamaCppBackend  # noqa: E402
 from disaggregated_inference.errors import CanaryMismatch  # noqa: E402
@@ -109,7 +111,11 @@ def main(argv=None) -> int:
     parser.add_argument("--no-flash-attn", action="store_true")
     parser.add_argument("--sizes", type=int, nargs="*", default=[64, 512, 1500], help="prompt tokens, roughly")
     parser.add_argument("--threads", type=int, default=2)
+    quick.add_argument(parser)
     args = parser.parse_args(argv)
+    quick.apply(parser, args, sizes=[64, 300])
+    if args.quick and args.model == parser.get_default("model"):
+        args.model = quick.tiny_model()
 
     settings = ModelSettings(model=args.model, n_threads=args.threads, n_ctx=4096, parallel=len(args.sizes),
                              flash_attn=not args.no_flash_attn)
@@ -140,7 +146,8 @@ def main(argv=None) -> int:
     for prompt in prompts:
         pre = prefill_beside(prefill, prompt, companion)
         beside.append({"prompt_tokens": len(pre.tokens), **pre.metrics, **decode(decoder, pre)})
-    out = {"model": args.model, "flash_attn": settings.flash_attn, "threads": args.threads, "alone": alone,
+    out = {"quick": args.quick, "model": Path(args.model).name, "flash_attn": settings.flash_attn,
+           "threads": args.threads, "alone": alone,
            "batched": batched, "beside": beside, "damaged": damaged}
     if args.json:
         print(json.dumps(out))

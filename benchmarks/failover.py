@@ -12,6 +12,7 @@ On a local cluster of its own (two SmolLM2 prefill servers, one decode server):
    first answer served decode-only.
 
     .venv/bin/python benchmarks/failover.py --json
+    .venv/bin/python benchmarks/failover.py --quick --json   # seconds: tiny model, 3 s of load, short windows
 """
 from __future__ import annotations
 
@@ -26,14 +27,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import quick  # noqa: E402
 from disaggregated_inference.client import DisaggregatedClient, FallbackWarning  # noqa: E402
 from disaggregated_inference.ops.cluster import LocalCluster  # noqa: E402
 
 
-def cluster_config(threads: int) -> dict:
+def cluster_config(threads: int, tiny: bool = False) -> dict:
     data = json.loads((ROOT / "config_current.json").read_text())
     qwen = data["models"]["qwen"]
     qwen["n_threads"] = threads
+    if tiny:
+        qwen["model"] = quick.tiny_model()
     return {
         "models": {"qwen": qwen},
         "prefill_servers": [{"name": n, "host": "127.0.0.1", "port": 1, "model": "qwen"} for n in ("pa", "pb")],
@@ -84,11 +88,15 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=60, help="length of the sustained run")
     parser.add_argument("--threads", type=int, default=4, help="client threads")
     parser.add_argument("--model-threads", type=int, default=1, help="llama.cpp threads per server")
+    parser.add_argument("--after-kill", type=float, default=6, help="seconds of load after each kill")
+    quick.add_argument(parser)
     args = parser.parse_args(argv)
+    quick.apply(parser, args, seconds=3, after_kill=3)
 
-    out = {}
-    with LocalCluster(cluster_config(args.model_threads), free_ports=True) as cluster:
+    out = {"quick": args.quick, "seconds_after_kill": args.after_kill, "client_threads": args.threads}
+    with LocalCluster(cluster_config(args.model_threads, args.quick), free_ports=True) as cluster:
         cluster.wait_healthy(timeout=300)
+        quick.say(f"{args.seconds:g} s of sustained load ...")
         with DisaggregatedClient(cluster.config) as client:
             with Load(client, args.threads) as load:
                 time.sleep(args.seconds)
@@ -100,11 +108,12 @@ def main(argv=None) -> int:
                                 "first_errors": [r[5] for r in errors[:3]]}
 
             pa, pb = cluster.process("pa"), cluster.process("pb")
+            quick.say("killing one prefill server under load ...")
             with Load(client, args.threads) as load:
                 time.sleep(2)
                 killed_at = time.perf_counter()
                 pa.kill()
-                time.sleep(6)
+                time.sleep(args.after_kill)
             survivor = pb.entry.address
             after = [r for r in load.outcomes if r[1] > killed_at]
             first_ok = min((r[1] for r in after if r[2] and r[4] == survivor and r[0] >= killed_at), default=None)
@@ -116,11 +125,12 @@ def main(argv=None) -> int:
                 "requests_after_kill": len(after),
             }
 
+            quick.say("killing the other prefill server under load ...")
             with Load(client, args.threads) as load:
                 time.sleep(1)
                 killed_at = time.perf_counter()
                 pb.kill()
-                time.sleep(6)
+                time.sleep(args.after_kill)
             after = [r for r in load.outcomes if r[1] > killed_at]
             first_fallback = min((r[1] for r in after if r[2] and r[3] == "decode_only_fallback"), default=None)
             out["fallback"] = {

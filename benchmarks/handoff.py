@@ -5,8 +5,17 @@ gunicorn servers on loopback:
 
 - ``handoff_ttft_s``: the decode server's time from request to first token when
   it receives the KV (pull + import + one prompt token + one sampled token);
-- ``reprefill_ttft_s``: the same when it receives only the token ids and must
-  recompute the prompt (what Ollama's ``context`` forces);
+- ``reprefill_cold_ttft_s``: the same when it receives only the token ids and must
+  recompute the whole prompt (what Ollama's ``context`` forces), on a decode server of its own
+  with the prefix cache off (``prefix_cache: false``), so that nothing it holds can serve the
+  prompt (``reprefill_cold_recomputed``: the prompt tokens it evaluated, all of them);
+  ``speedup_vs_cold`` divides it by ``handoff_ttft_s``;
+- ``reprefill_warm_ttft_s``: a warm recompute: the same token ids sent to the handoff's decode
+  server (prefix cache on, the default) right after its handoffs of that prompt, so a free slot
+  holds the prompt's KV and the server evaluates only what the cache's chunk alignment leaves
+  (``reprefill_warm_cached`` + ``reprefill_warm_recomputed`` = the prompt's tokens); what a
+  decode-only request whose prompt start is cached costs; ``speedup_vs_warm`` divides it by
+  ``handoff_ttft_s``;
 - ``handoff_gbps``: KV bits over export (+checksum) + transfer + import time
   (the decode server's ``kv_load_time``, which includes any wait for the
   receive-side checksum that runs alongside the import);
@@ -29,12 +38,12 @@ gunicorn servers on loopback:
   runs with (its ``/health``; launch.py), null for glibc's own.
 
     .venv/bin/python benchmarks/handoff.py --json
+    .venv/bin/python benchmarks/handoff.py --quick --json   # seconds: tiny model, two small prompts
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
-import io
 import json
 import socket
 import statistics
@@ -49,8 +58,9 @@ import requests
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from disaggregated_inference.kv import buffers
-from disaggregated_inference.kv import bundle
+import quick  # noqa: E402
+from disaggregated_inference.kv import buffers  # noqa: E402
+from disaggregated_inference.kv import bundle  # noqa: E402
 from disaggregated_inference.kv import send as sender  # noqa: E402
 
 FILLER = ("The quarterly sales report lists revenue by region, product line and month, "
@@ -121,7 +131,7 @@ def prompt_for(tokens_wanted: int, tokens_per_repeat: float) -> str:
     return FILLER * max(0, round((tokens_wanted - 30) / tokens_per_repeat)) + QUESTION
 
 
-def handoff_run(http, prefill_url, decode_url, prompt, loopback=None) -> dict:
+def handoff_run(http, prefill_url, decode_url, prompt, loopback=None, loopback_bytes=256 << 20) -> dict:
     """Prefill, then decode one token from the handed-over KV.
 
     With ``loopback`` (a list), raw loopback throughput is measured right before
@@ -132,16 +142,18 @@ def handoff_run(http, prefill_url, decode_url, prompt, loopback=None) -> dict:
     pre = http.post(f"{prefill_url}/prefill", json={"prompt": prompt}).json()
     kv = pre["kv"]
     if loopback is not None:
-        loopback.append(loopback_gbps(256 << 20))
+        loopback.append(loopback_gbps(loopback_bytes))
     hand = http.post(f"{decode_url}/decode", json={"kv": kv, "max_new_tokens": 1}).json()["metrics"]
     if loopback is not None:
-        loopback.append(loopback_gbps(256 << 20))
-    assert hand["prompt_tokens_recomputed"] == 1, hand
+        loopback.append(loopback_gbps(loopback_bytes))
+    if hand["prompt_tokens_recomputed"] != 1 or hand["method"] != "kv_handoff":
+        raise RuntimeError(f"the handoff recomputed {hand['prompt_tokens_recomputed']} prompt tokens, not 1: {hand}")
     export = pre["metrics"]["kv_export_time"] + pre["metrics"]["kv_checksum_time"]
     moved = export + hand["kv_transfer_time"] + hand["kv_load_time"]
     return {
         "prompt_tokens": pre["prompt_tokens"],
         "handoff_ttft_s": hand["ttft"],
+        "handoff_recomputed": hand["prompt_tokens_recomputed"],
         "kv_bytes": kv["bytes"],
         "handoff_gbps": kv["bytes"] * 8 / moved / 1e9,
         "export_s": export,
@@ -149,24 +161,27 @@ def handoff_run(http, prefill_url, decode_url, prompt, loopback=None) -> dict:
         "import_s": hand["kv_load_time"],
         "prefill_time_s": pre["metrics"]["prefill_time"],
         "fingerprint": pre["fingerprint"],
+        "tokens": pre["context"],  # the prompt's ids, for the recompute baselines
     }
 
 
-def reprefill_run(http, prefill_url, decode_url, prompt, fingerprint) -> dict:
-    """Decode one token from the token ids alone: the decode server recomputes the prompt."""
-    pre = http.post(f"{prefill_url}/prefill", json={"prompt": prompt}).json()
-    _, tokens, _ = bundle.read_bundle(io.BytesIO(http.get(pre["kv"]["url"]).content))  # the ids travel in it
-    redo = http.post(f"{decode_url}/decode", json={"tokens": tokens, "fingerprint": fingerprint,
-                                                   "max_new_tokens": 1}).json()["metrics"]
-    assert redo["prompt_tokens_recomputed"] == len(tokens), redo
-    return {"reprefill_ttft_s": redo["ttft"]}
+def recompute_run(http, decode_url, tokens, fingerprint) -> dict:
+    """Decode one token from the token ids alone (what Ollama's ``context`` sends): the decode server
+    recomputes the prompt, all of it or, where its prefix cache holds the prompt's start, the rest."""
+    m = http.post(f"{decode_url}/decode", json={"tokens": tokens, "fingerprint": fingerprint,
+                                                "max_new_tokens": 1}).json()["metrics"]
+    cached = m.get("prompt_tokens_cached", 0)
+    if m["method"] != "token_ids_recompute" or m["prompt_tokens_recomputed"] + cached != len(tokens):
+        raise RuntimeError(f"{len(tokens)} prompt tokens, but {m['prompt_tokens_recomputed']} recomputed and "
+                           f"{cached} cached: {m}")
+    return {"ttft_s": m["ttft"], "recomputed": m["prompt_tokens_recomputed"], "cached": cached}
 
 
-def measure_memory(tokens_wanted: int, tokens_per_repeat: float, threads: int) -> dict:
+def measure_memory(tokens_wanted: int, tokens_per_repeat: float, threads: int, model: str = "smollm2") -> dict:
     """Peak traced Python memory on each side of one handoff, as multiples of the KV size."""
     from disaggregated_inference.backends import ModelSettings, Prompt, Received, create
 
-    settings = ModelSettings(model="smollm2", n_threads=threads)
+    settings = ModelSettings(model=model, n_threads=threads)
     exporter, importer = create(settings), create(settings)
     exporter.load()
     importer.load()
@@ -213,61 +228,108 @@ def measure_memory(tokens_wanted: int, tokens_per_repeat: float, threads: int) -
             "decode_peak_copies": round(decode_peak / kv, 3)}
 
 
+def start_cluster(model: str, threads: int):
+    """The prefill server, the decode server (prefix cache on, as deployed) and a second decode
+    server with the prefix cache off, for the cold recompute."""
+    from disaggregated_inference.ops.cluster import LocalCluster
+
+    data = json.loads((ROOT / "config_current.json").read_text())
+    data["models"]["qwen"].update(n_threads=threads, model=model)
+    decode = next(s for s in data["decode_servers"] if s["name"] == "local-decode-qwen")
+    data["decode_servers"].append(dict(decode, name="local-decode-qwen-cold", prefix_cache=False))
+    names = ["local-prefill-qwen", "local-decode-qwen", "local-decode-qwen-cold"]
+    cluster = LocalCluster(data, names=names, free_ports=True).start()
+    try:
+        cluster.wait_healthy(timeout=600)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster, [cluster.process(name).url for name in names]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    quick.add_argument(parser)
     parser.add_argument("--sizes", type=int, nargs="*", default=[256, 1024, 2048])
     parser.add_argument("--repeat", type=int, default=5, help="handoffs per size (median reported)")
-    parser.add_argument("--reprefill-repeat", type=int, default=1, help="re-prefill runs per size (median)")
+    parser.add_argument("--reprefill-repeat", type=int, default=1,
+                        help="runs of each recompute baseline, cold and warm, per size (median)")
     parser.add_argument("--prefill", help="URL of a running SmolLM2 prefill server (default: start one)")
-    parser.add_argument("--decode", help="URL of a running SmolLM2 decode server (default: start one)")
+    parser.add_argument("--decode", help="URL of a running SmolLM2 decode server, prefix cache on (default: start one)")
+    parser.add_argument("--decode-cold", help="URL of a running SmolLM2 decode server with prefix_cache false, "
+                                              "for the cold recompute (default: start one)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", default="smollm2", help="the model all servers load (started servers only)")
+    parser.add_argument("--loopback-mib", type=int, default=256, help="MiB per loopback measurement")
+    parser.add_argument("--bulk-mib", type=int, default=64, help="MiB per bulk loopback and memory copy")
     args = parser.parse_args(argv)
+    quick.apply(parser, args, sizes=[200, 400], repeat=2, loopback_mib=16, bulk_mib=8)
+    if args.quick and args.model == parser.get_default("model"):
+        args.model = quick.tiny_model()
+    loopback_bytes, bulk_bytes = args.loopback_mib << 20, args.bulk_mib << 20
 
     cluster = None
-    if not (args.prefill and args.decode):
-        from disaggregated_inference.ops.cluster import LocalCluster
-
-        data = json.loads((ROOT / "config_current.json").read_text())
-        data["models"]["qwen"]["n_threads"] = args.threads
-        cluster = LocalCluster(data, names=["local-prefill-qwen", "local-decode-qwen"], free_ports=True).start()
-        cluster.wait_healthy(timeout=600)
-        args.prefill = cluster.process("local-prefill-qwen").url
-        args.decode = cluster.process("local-decode-qwen").url
+    if not (args.prefill and args.decode and args.decode_cold):
+        if args.prefill or args.decode or args.decode_cold:
+            parser.error("give --prefill, --decode and --decode-cold together, or none to start the servers")
+        quick.say(f"starting a prefill server and two decode servers of {Path(args.model).name} ...")
+        cluster, (args.prefill, args.decode, args.decode_cold) = start_cluster(args.model, args.threads)
     try:
         http = requests.Session()
         copy_threshold = http.get(f"{args.prefill}/health").json().get("non_temporal_copy_bytes")
+        caches = {url: http.get(f"{url}/health").json().get("model_info", {}).get("prefix_cache")
+                  for url in (args.decode, args.decode_cold)}
+        if caches[args.decode_cold] is not False:
+            raise SystemExit(f"{args.decode_cold} must run with prefix_cache false "
+                             f"(its /health: {caches[args.decode_cold]})")
         calib = http.post(f"{args.prefill}/prefill", json={"prompt": FILLER * 20 + QUESTION}).json()
         http.delete(calib["kv"]["url"])
         per_repeat = (calib["prompt_tokens"] - 30) / 20
-        loopback = [loopback_gbps(256 << 20) for _ in range(3)]
-        bulk = statistics.median(loopback_bulk_gbps() for _ in range(3))
-        memory_copy = statistics.median(memory_copy_gbps() for _ in range(5))
-        handoff_run(http, args.prefill, args.decode, prompt_for(64, per_repeat))  # warm both servers
+        loopback = [loopback_gbps(loopback_bytes) for _ in range(3)]
+        bulk = statistics.median(loopback_bulk_gbps(bulk_bytes) for _ in range(3))
+        memory_copy = statistics.median(memory_copy_gbps(bulk_bytes) for _ in range(5))
+        warm_up = handoff_run(http, args.prefill, args.decode, prompt_for(64, per_repeat))  # both decode servers
+        recompute_run(http, args.decode_cold, warm_up["tokens"], warm_up["fingerprint"])
         results = []
         for size in args.sizes:
             prompt = prompt_for(size, per_repeat)
+            quick.say(f"~{size} tokens: {args.repeat} handoffs, then the warm and the cold recompute ...")
             # back to back, as a busy cluster runs them; the first one is reported apart (cold buffers)
             runs = []
             for _ in range(args.repeat):
-                runs.append(handoff_run(http, args.prefill, args.decode, prompt, loopback))
+                runs.append(handoff_run(http, args.prefill, args.decode, prompt, loopback, loopback_bytes))
                 runs[-1]["loopback_gbps"] = statistics.mean(loopback[-2:])  # around this handoff
                 runs[-1]["handoff_fraction"] = runs[-1]["handoff_gbps"] / runs[-1]["loopback_gbps"]
-            redo = [reprefill_run(http, args.prefill, args.decode, prompt, runs[0]["fingerprint"])
-                    for _ in range(args.reprefill_repeat)]
-            row = {key: statistics.median(r[key] for r in runs)
-                   for key in runs[0] if key not in ("fingerprint", "prompt_tokens", "kv_bytes")}
+            tokens, fingerprint = runs[0]["tokens"], runs[0]["fingerprint"]
+            # the handoffs left the prompt's KV in a free slot of the decode server: warm
+            warm = [recompute_run(http, args.decode, tokens, fingerprint) for _ in range(args.reprefill_repeat)]
+            cold = [recompute_run(http, args.decode_cold, tokens, fingerprint) for _ in range(args.reprefill_repeat)]
+            if any(r["cached"] or r["recomputed"] != len(tokens) for r in cold):
+                raise RuntimeError(f"the cold recompute reused cached KV: {cold}")
+            apart = ("fingerprint", "prompt_tokens", "kv_bytes", "tokens", "handoff_recomputed")
+            row = {key: statistics.median(r[key] for r in runs) for key in runs[0] if key not in apart}
             row = {"prompt_tokens": runs[0]["prompt_tokens"], "kv_bytes": runs[0]["kv_bytes"], **row,
-                   "reprefill_ttft_s": statistics.median(r["reprefill_ttft_s"] for r in redo),
-                   "handoff_gbps_first_run": runs[0]["handoff_gbps"]}
-            row["speedup"] = row["reprefill_ttft_s"] / row["handoff_ttft_s"]
-            results.append({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
-        memory = measure_memory(max(args.sizes), per_repeat, args.threads)
+                   "handoff_recomputed": max(r["handoff_recomputed"] for r in runs),
+                   "handoff_gbps_first_run": runs[0]["handoff_gbps"],
+                   "reprefill_cold_ttft_s": statistics.median(r["ttft_s"] for r in cold),
+                   "reprefill_cold_recomputed": min(r["recomputed"] for r in cold),
+                   "reprefill_warm_ttft_s": statistics.median(r["ttft_s"] for r in warm),
+                   "reprefill_warm_cached": min(r["cached"] for r in warm),
+                   "reprefill_warm_recomputed": max(r["recomputed"] for r in warm),
+                   "runs": len(runs), "reprefill_runs": len(cold)}
+            row["speedup_vs_cold"] = row["reprefill_cold_ttft_s"] / row["handoff_ttft_s"]
+            row["speedup_vs_warm"] = row["reprefill_warm_ttft_s"] / row["handoff_ttft_s"]
+            results.append({k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()})
+            quick.say(json.dumps(results[-1]))
+        memory = measure_memory(max(args.sizes), per_repeat, args.threads, args.model)
     finally:
         if cluster:
             cluster.stop()
     out = {"loopback_gbps": round(statistics.median(loopback), 3), "loopback_bulk_gbps": round(bulk, 3),
            "memory_copy_gbps": round(memory_copy, 3), "results": results, "memory": memory,
+           "quick": args.quick, "model": Path(args.model).name if cluster else None,
+           "decode_prefix_cache": caches[args.decode],
            "machine": {"cpus": __import__("os").cpu_count(), "threads_per_server": args.threads,
                        "non_temporal_copy_bytes": copy_threshold}}
     if args.json:
@@ -277,8 +339,10 @@ def main(argv=None) -> int:
               f"{out['loopback_bulk_gbps']} Gb/s (memory to memory); "
               f"memory copy: {out['memory_copy_gbps']} Gb/s")
         for r in results:
-            print(f"{r['prompt_tokens']:5d} tokens: handoff TTFT {r['handoff_ttft_s'] * 1000:7.1f} ms, "
-                  f"re-prefill TTFT {r['reprefill_ttft_s'] * 1000:8.1f} ms, speedup {r['speedup']:6.1f}x, "
+            print(f"{r['prompt_tokens']:5d} tokens: handoff TTFT {r['handoff_ttft_s'] * 1000:7.1f} ms; "
+                  f"cold recompute {r['reprefill_cold_ttft_s'] * 1000:8.1f} ms ({r['speedup_vs_cold']:6.1f}x), "
+                  f"warm recompute {r['reprefill_warm_ttft_s'] * 1000:8.1f} ms ({r['speedup_vs_warm']:5.1f}x; "
+                  f"{r['reprefill_warm_cached']} of {r['prompt_tokens']} tokens cached); "
                   f"KV {r['kv_bytes'] / 1e6:6.1f} MB at {r['handoff_gbps']:.2f} Gb/s "
                   f"({r['handoff_fraction']:.0%} of loopback)")
         print(f"memory: {memory}")

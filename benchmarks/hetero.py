@@ -28,6 +28,12 @@ scikit-build-core, cmake and ninja are installed; use your GPU's architecture: 8
     .venv/bin/python benchmarks/hetero.py --export-bundle kv.bundle      # also write one bundle
     .venv/bin/python benchmarks/hetero.py --import-bundle kv.bundle      # on another machine
     .venv/bin/python benchmarks/hetero.py --cpu-only-smoke --sizes 250 1200   # no GPU: all on the CPU
+    .venv/bin/python benchmarks/hetero.py --quick --json    # seconds: tiny model; CPU smoke where there is no GPU
+
+``--quick`` runs the tiny model at two small sizes, then writes one bundle and imports it again in
+this process (``--import-bundle``'s checks). Where llama.cpp has no GPU offload it says so
+(``gpu_skipped``, ``skip_reason``) and runs every server on the CPU (``--cpu-only-smoke``): the
+GPU measurement did not happen, and nothing in that output is a GPU figure.
 
 ``--import-bundle`` loads the bundle's model (``--model``, default the bundle's own file name if
 it is a built-in) in this process with the bundle's flash_attn/KV types, checks the fingerprint,
@@ -51,6 +57,7 @@ import requests
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import quick  # noqa: E402
 from disaggregated_inference.kv import bundle  # noqa: E402
 
 FILLER = ("The quarterly sales report lists revenue by region, product line and month, "
@@ -84,7 +91,8 @@ def config_for(args) -> dict:
                             "n_gpu_layers": 0},
                            {"name": "gpu-only", "host": "127.0.0.1", "port": 18202, "model": "m",
                             "n_gpu_layers": gpu_layers}],
-        "client": {"health_check_interval": 0},
+        # decode_timeout must exceed kv_fetch_timeout (config validation); this script's own calls wait 1800 s
+        "client": {"health_check_interval": 0, "prefill_timeout": 1800, "decode_timeout": 1800},
         "server": {"lease_seconds": 120, "queue_timeout": 600, "kv_fetch_timeout": 300},
     }
 
@@ -136,12 +144,15 @@ def benchmark(args) -> dict:
     logs = Path(args.log_dir) if args.log_dir else None
     gpu_names = ["gpu-prefill", "gpu-only"]
     clusters = [LocalCluster(config, names=gpu_names, free_ports=True, log_dir=logs,
-                             env={"CUDA_VISIBLE_DEVICES": ""} if args.cpu_only_smoke else None),
-                LocalCluster(config, names=["cpu-decode"], free_ports=True, log_dir=logs,
-                             env={"CUDA_VISIBLE_DEVICES": ""})]
+                             env={"CUDA_VISIBLE_DEVICES": ""} if args.cpu_only_smoke else None)]
     try:
-        for c in clusters:
-            c.start()
+        clusters[0].start()
+        # a cluster of its own (its environment hides the GPU): it trusts the prefill server at the port
+        # that one actually bound, which the config it starts from cannot know
+        prefill = clusters[0].process("gpu-prefill").entry
+        cpu_config = {**config, "server": {**config["server"], "kv_sources": [f"{prefill.host}:{prefill.port}"]}}
+        clusters.append(LocalCluster(cpu_config, names=["cpu-decode"], free_ports=True, log_dir=logs,
+                                     env={"CUDA_VISIBLE_DEVICES": ""}).start())
         for c in clusters:
             c.wait_healthy(timeout=args.timeout)
         urls = {p.entry.name: p.url for c in clusters for p in c.processes}
@@ -221,6 +232,36 @@ def import_bundle(args) -> dict:
     }
 
 
+def gpu_offload() -> tuple[bool, str | None]:
+    """Whether this llama.cpp build can put layers on a GPU; the reason when not."""
+    import llama_cpp
+
+    if llama_cpp.llama_supports_gpu_offload():
+        return True, None
+    return False, ("this llama-cpp-python build has no GPU offload (no CUDA or Metal): the GPU-prefill "
+                   "measurement was skipped; every server ran on the CPU instead (--cpu-only-smoke), so no "
+                   "figure here is a GPU figure")
+
+
+def quick_run(args) -> dict:
+    """``--quick``: the benchmark on the tiny model (on the GPU where there is one), then one bundle
+    exported and imported again here, as a second machine would."""
+    import tempfile
+
+    gpu, reason = gpu_offload()
+    args.cpu_only_smoke = args.cpu_only_smoke or not gpu
+    with tempfile.TemporaryDirectory(prefix="hetero-quick-") as scratch:
+        args.export_bundle = str(Path(scratch) / "kv.bundle")
+        quick.say(f"{'GPU' if gpu else 'no GPU offload: CPU'} smoke run on the tiny model, sizes {args.sizes} ...")
+        out = benchmark(args)
+        quick.say("importing the exported bundle here ...")
+        args.import_bundle, args.model_given = args.export_bundle, args.model
+        out["bundle_import"] = import_bundle(args)
+        out["exported_bundle"]["path"] = Path(out["exported_bundle"]["path"]).name
+    out.update(quick=True, gpu_skipped=not gpu, skip_reason=reason, model=Path(args.model).name)
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", dest="model_given", default=None,
@@ -237,13 +278,18 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for the models to load")
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--out", help="write the JSON here as well as to standard output")
+    parser.add_argument("--json", action="store_true", help="(the JSON is always printed; accepted for symmetry)")
+    quick.add_argument(parser)
     args = parser.parse_args(argv)
-    args.model = args.model_given or "smollm2"
+    quick.apply(parser, args, sizes=[64, 200], max_new=8, n_ctx=1024, bundle_tokens=200, threads=2)
+    if args.quick and (args.import_bundle or args.export_bundle):
+        parser.error("--quick exports and imports a bundle of its own")
+    args.model = args.model_given or (quick.tiny_model() if args.quick else "smollm2")
     args.sizes = args.sizes or DEFAULT_SIZES
     if args.n_ctx < max(args.sizes) + args.max_new + 64:
         parser.error(f"--n-ctx {args.n_ctx} cannot hold a {max(args.sizes)}-token prompt and its answer")
     started = time.perf_counter()
-    out = import_bundle(args) if args.import_bundle else benchmark(args)
+    out = quick_run(args) if args.quick else import_bundle(args) if args.import_bundle else benchmark(args)
     out["wall_s"] = round(time.perf_counter() - started, 1)
     text = json.dumps(out, indent=2)
     if args.out:

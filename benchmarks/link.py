@@ -70,6 +70,7 @@ import requests
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import quick  # noqa: E402
 from disaggregated_inference import config as cluster_config  # noqa: E402
 from disaggregated_inference.ops.cluster import LocalCluster  # noqa: E402
 from disaggregated_inference.ops.doctor import Doctor  # noqa: E402
@@ -432,11 +433,9 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="compute threads per server")
     parser.add_argument("--no-loopback", action="store_true", help="skip the loopback runs")
     parser.add_argument("--loopback-only", action="store_true", help="skip the emulated link (no root needed)")
-    parser.add_argument("--quick", action="store_true", help="one small size, one round, the wide model: a check")
+    quick.add_argument(parser)  # one small size, one round, the wide model: a check
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.tokens, args.rounds, args.models = [512], 1, ["wide"]
+    args = quick.apply(parser, parser.parse_args(argv), tokens=[512], rounds=1, models=["wide"])
 
     def progress(message: str) -> None:
         print(f"[link] {message}", file=sys.stderr, flush=True)

@@ -9,6 +9,7 @@ the cache saves. Per prompt: its tokens, the tokens the cache held, the prefill 
 whether the exported states are byte-identical (they should be: ``PREFIX_MIN_TOKENS``).
 
     .venv/bin/python benchmarks/prefix.py --json [--rounds 2]
+    .venv/bin/python benchmarks/prefix.py --quick --json   # seconds: three prompts on the tiny model
 
 The feedback model (Gemma 3, sliding-window attention) runs with the cache off, as the backend
 does for every sliding-window model; the output says so.
@@ -27,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import quick  # noqa: E402
 from disaggregated_inference import config as cluster_config  # noqa: E402
 from disaggregated_inference.backends import ModelSettings, create  # noqa: E402
 from disaggregated_inference.backends.base import Prompt  # noqa: E402
@@ -55,10 +57,13 @@ def grader_prompts(role: str = "code") -> tuple[str, list[tuple[str, str]]]:
     return model, out
 
 
-def model_settings(name: str, prefix_cache: bool) -> ModelSettings:
+def model_settings(name: str, prefix_cache: bool, model: str | None = None) -> ModelSettings:
+    """The config's settings of model ``name``, with the cache on or off (and ``model``'s file instead)."""
     data = json.loads((ROOT / "config_current.json").read_text())
     entry = dict(data["models"][name])
     entry["prefix_cache"] = prefix_cache
+    if model:
+        entry["model"] = model
     return ModelSettings.from_dict(entry, name)
 
 
@@ -66,10 +71,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--rounds", type=int, default=2, help="passes over the prompts (the cache carries over)")
+    ap.add_argument("--limit", type=int, default=0, help="the first N prompts only (0: all)")
+    quick.add_argument(ap)
     args = ap.parse_args()
+    quick.apply(ap, args, limit=3)
 
     model, prompts = grader_prompts("code")
-    backends = {mode: create(model_settings(model, mode == "cache")) for mode in ("cache", "no_cache")}
+    prompts = prompts[:args.limit] if args.limit else prompts
+    gguf = quick.tiny_model() if args.quick else None
+    backends = {mode: create(model_settings(model, mode == "cache", gguf)) for mode in ("cache", "no_cache")}
     for b in backends.values():
         b.load()
     rows = []
@@ -89,7 +99,7 @@ def main() -> None:
                 row["cached_tokens"] = results["cache"].metrics["prompt_tokens_cached"]
                 row["state_identical"] = bytes(results["cache"].payload) == bytes(results["no_cache"].payload)
                 rows.append(row)
-                if not args.json:
+                if not args.json or args.quick:
                     print(f"round {round_} {notebook:>22}: {row['prompt_tokens']} tokens, {row['cached_tokens']} "
                           f"cached, {row['no_cache_s']:.2f} s -> {row['cache_s']:.2f} s", file=sys.stderr)
     finally:
@@ -107,7 +117,8 @@ def main() -> None:
     out = {
         "benchmark": "prefix",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-        "model": model, "settings": {k: v for k, v in vars(model_settings(model, True)).items()
+        "quick": args.quick,
+        "model": model, "settings": {k: v for k, v in vars(model_settings(model, True, gguf)).items()
                                      if k in ("model", "n_ctx", "n_threads", "n_batch", "parallel")},
         "rows": rows,
         "per_round": {r: totals([x for x in rows if x["round"] == r]) for r in range(1, args.rounds + 1)},

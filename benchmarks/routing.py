@@ -31,6 +31,7 @@ cost model its first figures (a client in service has them from its earlier requ
 
     .venv/bin/python benchmarks/routing.py --json [--sizes 16 64 256 1024 2048 3500] [--repeat 5]
     .venv/bin/python benchmarks/routing.py --json --decode-threads 1   # the paths differ: a slower decode side
+    .venv/bin/python benchmarks/routing.py --quick --json   # seconds: tiny model, two sizes, one round
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import quick  # noqa: E402
 from disaggregated_inference.client import DisaggregatedClient  # noqa: E402
 
 FILLER = ("The quarterly sales report lists revenue by region, product line and month, "
@@ -86,7 +88,9 @@ def main(argv=None) -> int:
                              "prompts as the prefill machine, so the two paths differ)")
     parser.add_argument("--autogroup-nice", type=int,
                         help="Linux: niceness of this run's sessions (see throughput.prioritise)")
+    quick.add_argument(parser)
     args = parser.parse_args(argv)
+    quick.apply(parser, args, sizes=[16, 300], repeat=1)
 
     import throughput  # its prioritise: the servers' autogroups on a shared machine
     from disaggregated_inference.ops.cluster import LocalCluster
@@ -98,6 +102,8 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     data = json.loads((ROOT / "config_current.json").read_text())
+    if args.quick:
+        data = quick.on_tiny_model(data)
     data["models"]["qwen"]["n_threads"] = args.threads
     decode_threads = args.decode_threads or args.threads
     for entry in data["decode_servers"]:
@@ -119,6 +125,7 @@ def main(argv=None) -> int:
                 run(client, prompt_of(128, per_char), route)
             rows = []
             for size in args.sizes:
+                quick.say(f"~{size} tokens: {args.repeat} round(s) of auto, handoff and decode-only ...")
                 rows.append(measure(client, prompt_of(size, per_char), args.repeat))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # a cut-off run keeps its sizes so far
             figures = client.costs.snapshot()
@@ -128,7 +135,8 @@ def main(argv=None) -> int:
            "target_met_by_own_runs": all((r["auto_vs_best"] or INF) <= TARGET for r in rows),
            "runs_astray": sum(sum(r["runs_astray"].values()) for r in rows),
            "choices_matched": all(r["choice_matched_better"] for r in rows),
-           "repeat": args.repeat, "cost_model": figures,
+           "repeat": args.repeat, "cost_model": figures, "quick": args.quick,
+           "model": "tiny llama (tests/tiny_models.py)" if args.quick else data["models"]["qwen"]["model"],
            "machine": {"cpus": os.cpu_count(), "prefill_threads": args.threads,
                        "decode_threads": decode_threads, "gpu": None}}
     if args.json:

@@ -25,7 +25,14 @@ Prints one JSON object (``--json``) or a table. Measured in one run, so ratios c
   (``ttft_end_to_end``: client start to the decode server's first token), and what each level
   cost the machine (``cpu_use``: cores busy, servers' CPU ms per completion token, and the
   tok/s that work per token allows with every core busy; ``tok_s_8_over_1_ceiling`` in
-  ``targets`` divides the latter at 8 by the measured rate at 1).
+  ``targets`` divides the latter at 8 by the measured rate at 1). Every request streams
+  (``DisaggregatedClient.stream``), and each level also carries ``serving``: TTFT, TPOT, ITL and
+  E2EL (mean, median, std, p99) and goodput at the SLOs given with ``--slo``, with the definitions
+  and names of ``vllm bench serve`` (serving_metrics.py), timed on this client's clock;
+  ``--detailed`` adds every request's figures (``requests_detail``).
+
+    .venv/bin/python benchmarks/throughput.py --json --slo ttft:2000 --slo tpot:100
+    .venv/bin/python benchmarks/throughput.py --quick --json   # seconds: tiny model, levels 1 and 8
 """
 from __future__ import annotations
 
@@ -43,6 +50,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import quick  # noqa: E402
+import serving_metrics  # noqa: E402
 from disaggregated_inference.client import DisaggregatedClient  # noqa: E402
 from disaggregated_inference.ops.cluster import LocalCluster  # noqa: E402
 
@@ -65,7 +74,7 @@ def pct(values, q):
     return round(values[min(len(values) - 1, int(round(q * (len(values) - 1))))], 4)
 
 
-def bare_loop(threads: int, sizes=(1, 4, 8, 16), steps: int = 96, context: int = 300) -> dict:
+def bare_loop(threads: int, sizes=(1, 4, 8, 16), steps: int = 96, context: int = 300, model: str = "smollm2") -> dict:
     """Tokens/s of llama_decode alone, N sequences per step (SmolLM2, per-sequence KV streams)."""
     import llama_cpp
     from llama_cpp import _internals
@@ -74,7 +83,7 @@ def bare_loop(threads: int, sizes=(1, 4, 8, 16), steps: int = 96, context: int =
     from llama_cpp._logger import set_verbose
 
     set_verbose(False)
-    model = _internals.LlamaModel(path_model=str(resolve_gguf("smollm2")), params=llama_cpp.llama_model_default_params(),
+    model = _internals.LlamaModel(path_model=str(resolve_gguf(model)), params=llama_cpp.llama_model_default_params(),
                                   verbose=False)
     out = {}
     n_max = max(sizes)
@@ -128,14 +137,14 @@ def window_rate(stamps: list[list[float]], tokens: list[int]) -> dict:
             "all_active_tok_s": round(inside / window, 1) if window > 0.5 else None}
 
 
-def owner_aggregate(threads: int, n: int = 8, max_new: int = 96, n_ctx: int = 1024) -> dict:
+def owner_aggregate(threads: int, n: int = 8, max_new: int = 96, n_ctx: int = 1024, model: str = "smollm2") -> dict:
     """The same as ``server_aggregate`` in this process, without HTTP: n ``generate`` requests through
     the servers' ``ModelOwner`` (its batched scheduler) on a SmolLM2 backend with n slots."""
     from disaggregated_inference.backends import ModelSettings, create
     from disaggregated_inference.backends.base import Prompt, Sampling
     from disaggregated_inference.server.owner import ModelOwner
 
-    owner = ModelOwner(create(ModelSettings(model="smollm2", n_threads=threads, n_ctx=n_ctx, parallel=n)))
+    owner = ModelOwner(create(ModelSettings(model=model, n_threads=threads, n_ctx=n_ctx, parallel=n)))
     while not owner.ready:
         if owner.state == "failed":
             raise RuntimeError(owner.error)
@@ -186,24 +195,32 @@ def server_aggregate(decode_url: str, n: int = 8, max_new: int = 96) -> dict:
     return window_rate(stamps, tokens)
 
 
-def run_level(client: DisaggregatedClient, models, level: int, requests_n: int, max_tokens: int) -> dict:
+def run_level(client: DisaggregatedClient, models, level: int, requests_n: int, max_tokens: int,
+              slos: dict, detailed: bool = False) -> dict:
+    """``requests_n`` streamed requests, ``level`` at a time; the client's figures and ``serving``
+    (serving_metrics.summarize: vLLM's TTFT, TPOT, ITL, E2EL and goodput at ``slos``)."""
     jobs = [{"model": models[i % len(models)], "prompt": prompt(i), "max_tokens": max_tokens, "seed": i}
             for i in range(requests_n)]
     started = time.perf_counter()
-    results, _ = client.generate_many(jobs, max_workers=level)
+    with ThreadPoolExecutor(level) as pool:
+        timings = list(pool.map(lambda job: serving_metrics.time_stream(client.stream(**job)), jobs))
     wall = time.perf_counter() - started
-    ok = [m for r in results if isinstance(r, tuple) for m in [r[1]]]
-    failed = [str(r) for r in results if not isinstance(r, tuple)]
+    ok = [t.metrics for t in timings if t.ok]
+    failed = [t.error for t in timings if not t.ok]
     tokens = sum(m["completion_tokens"] for m in ok)
-    return {
-        "concurrency": level, "requests": requests_n, "failed": len(failed),
+    row = {
+        "concurrency": level, "requests": requests_n, "failed": len(failed), "wall_s": round(wall, 4),
         "req_s": round(len(ok) / wall, 3), "completion_tok_s": round(tokens / wall, 2),
         "latency_p50_s": pct([m["total_time"] for m in ok], 0.5), "latency_p95_s": pct([m["total_time"] for m in ok], 0.95),
         "ttft_p50_s": pct([m.get("ttft_end_to_end") for m in ok], 0.5),
         "ttft_p95_s": pct([m.get("ttft_end_to_end") for m in ok], 0.95),
         "methods": sorted({m["method"] for m in ok}),
+        "serving": serving_metrics.summarize(timings, wall, slos),
         **({"errors": failed[:3]} if failed else {}),
     }
+    if detailed:
+        row["requests_detail"] = [t.as_dict() for t in timings]
+    return row
 
 
 AUTOGROUP_NICE: int | None = None
@@ -217,8 +234,11 @@ def prioritise(pid: int | str = "self") -> None:
         Path(f"/proc/{pid}/autogroup").write_text(str(AUTOGROUP_NICE))
 
 
-def cluster_config(parallel: int, threads: int) -> dict:
+def cluster_config(parallel: int, threads: int, tiny: bool = False, models=("qwen",)) -> dict:
+    """The embedded config at ``parallel`` slots; ``tiny`` (--quick): ``models`` alone, on the tiny model."""
     data = json.loads((ROOT / "config_current.json").read_text())
+    if tiny:
+        data = quick.on_tiny_model(data, keep=tuple(models))
     for model in data["models"].values():
         model["parallel"] = parallel
         model["n_threads"] = threads
@@ -227,21 +247,22 @@ def cluster_config(parallel: int, threads: int) -> dict:
     return data
 
 
-def measure_cluster(parallel: int, levels, models, max_tokens: int, threads: int, say) -> dict:
+def measure_cluster(parallel: int, levels, models, max_tokens: int, threads: int, say, slos: dict,
+                    detailed: bool = False, tiny: bool = False) -> dict:
     out = {"parallel": parallel, "levels": []}
-    with LocalCluster(cluster_config(parallel, threads), free_ports=True) as cluster:
+    with LocalCluster(cluster_config(parallel, threads, tiny, models), free_ports=True) as cluster:
         for process in cluster.processes:
             prioritise(process.proc.pid)
         cluster.wait_healthy(timeout=900)
         client = DisaggregatedClient(cluster.config, health_check=False)
         client.check_health()
-        run_level(client, models, 1, 2, 8)  # warm up both models
+        run_level(client, models, 1, 2, 8, slos)  # warm up both models
         servers = cpu_clock([p.proc.pid for p in cluster.processes])
         prefills = cpu_clock([p.proc.pid for p in cluster.processes if p.entry.role == "prefill"])
         for level in levels:
             before, before_prefill, started = servers(), prefills(), time.perf_counter()
             mine = time.process_time()
-            row = run_level(client, models, level, max(level, 4), max_tokens)
+            row = run_level(client, models, level, max(level, 4), max_tokens, slos, detailed)
             row.update(cpu_use(servers() - before, time.process_time() - mine, time.perf_counter() - started,
                                row["completion_tok_s"]))
             # the prompts' share: all of them on every core at once is the least time the last prompt
@@ -250,6 +271,8 @@ def measure_cluster(parallel: int, levels, models, max_tokens: int, threads: int
             row["prompts_on_all_cores_s"] = round(row["prefill_cpu_s"] / (os.cpu_count() or 1), 3)
             say(f"parallel={parallel} concurrency={level}: {row['req_s']} req/s, {row['completion_tok_s']} tok/s, "
                 f"p95 latency {row['latency_p95_s']} s, p95 TTFT {row['ttft_p95_s']} s, "
+                f"median TPOT {row['serving']['median_tpot_ms']} ms, "
+                f"goodput {row['serving']['request_goodput']} req/s, "
                 f"cores busy {row['cores_busy']}, {row['server_cpu_ms_per_token']} server CPU ms/token")
             out["levels"].append(row)
         client.close()
@@ -292,14 +315,16 @@ def cpu_use(server_cpu: float, client_cpu: float, wall: float, tok_s: float) -> 
             "tok_s_if_cores_saturated": round(cores / per_token, 1) if per_token else None}
 
 
-def engine_rounds(rounds: int, slots: int, threads: int, say) -> tuple[dict, list[dict]]:
+def engine_rounds(rounds: int, slots: int, threads: int, say, tiny: bool = False, bare_sizes=(1, 4, 8, 16),
+                  max_new: int = 96, bare_steps: int = 96) -> tuple[dict, list[dict]]:
     """``bare`` (every size once), then ``rounds`` rounds of bare[8], ``owner_8`` and ``server_8``
     back to back, so that each round's ratios compare figures taken within a minute of each other on a
     machine whose speed drifts. ``server_8`` runs on a decode server with the machine's cores to
     itself, as on a machine of its own: the SmolLM2 pair only (its prefill server idle),
     ``openmp_wait: spin`` (what ``auto`` picks when one server's threads fit the cores; the
     four-server cluster of the levels sleeps instead)."""
-    data = cluster_config(slots, threads)
+    data = cluster_config(slots, threads, tiny)
+    model = data["models"]["qwen"]["model"]
     data["models"] = {"qwen": data["models"]["qwen"]}
     data["prefill_servers"] = [s for s in data["prefill_servers"] if s["model"] == "qwen"]
     data["decode_servers"] = [s for s in data["decode_servers"] if s["model"] == "qwen"]
@@ -311,13 +336,13 @@ def engine_rounds(rounds: int, slots: int, threads: int, say) -> tuple[dict, lis
         decode = next(p.url for p in cluster.processes if p.entry.name == "local-decode-qwen")
         server_aggregate(decode, 8, 16)  # warm up
         say("bare llama.cpp loop ...")
-        bare = bare_loop(threads)
+        bare = bare_loop(threads, sizes=bare_sizes, steps=bare_steps, model=model)
         say(f"bare loop tok/s by sequences: {bare}")
         rows = []
         for r in range(rounds):
-            bare_8 = bare[8] if r == 0 else bare_loop(threads, sizes=(8,))[8]
-            owner_8 = owner_aggregate(threads)
-            server_8 = server_aggregate(decode, 8)
+            bare_8 = bare[8] if r == 0 else bare_loop(threads, sizes=(8,), steps=bare_steps, model=model)[8]
+            owner_8 = owner_aggregate(threads, max_new=max_new, model=model)
+            server_8 = server_aggregate(decode, 8, max_new)
             rows.append({"bare_8_tok_s": bare_8, "owner_8": owner_8, "server_8": server_8,
                          "owner_8_over_bare_8": _ratio(owner_8["all_active_tok_s"], bare_8),
                          "server_8_over_bare_8": _ratio(server_8["all_active_tok_s"], bare_8)})
@@ -347,20 +372,28 @@ def main(argv=None) -> int:
     parser.add_argument("--no-single-slot", action="store_true", help="skip the parallel: 1 cluster")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of bare[8], owner_8 and server_8")
     parser.add_argument("--autogroup-nice", type=int, help="Linux: niceness of this run's sessions (see prioritise)")
+    parser.add_argument("--engine-tokens", type=int, default=96, help="tokens each of owner_8's and server_8's "
+                                                                      "8 sequences generates")
+    parser.add_argument("--detailed", action="store_true", help="every request's figures in each level")
+    serving_metrics.add_slo_argument(parser)
+    quick.add_argument(parser)
     args = parser.parse_args(argv)
+    quick.apply(parser, args, levels=[1, 8], models=["qwen"], max_tokens=16, rounds=1, engine_tokens=128,
+                detailed=True)
+    slos = dict(args.slo)
     global AUTOGROUP_NICE
     AUTOGROUP_NICE = args.autogroup_nice
     prioritise()
 
-    def say(message):
-        print(message, file=sys.stderr, flush=True)
-
-    bare, rounds = engine_rounds(args.rounds, args.slots, args.threads, say)
+    say = quick.say
+    bare_sizes, bare_steps = ((1, 8), 32) if args.quick else ((1, 4, 8, 16), 96)
+    bare, rounds = engine_rounds(args.rounds, args.slots, args.threads, say, args.quick, bare_sizes,
+                                 args.engine_tokens, bare_steps)
     # --levels with no values: the engine and the decode server only
-    multi = measure_cluster(args.slots, args.levels, args.models, args.max_tokens, args.threads, say) \
-        if args.levels else {"parallel": args.slots, "levels": []}
+    multi = measure_cluster(args.slots, args.levels, args.models, args.max_tokens, args.threads, say, slos,
+                            args.detailed, args.quick) if args.levels else {"parallel": args.slots, "levels": []}
     single = None if args.no_single_slot or not args.levels else measure_cluster(
-        1, args.levels, args.models, args.max_tokens, args.threads, say)
+        1, args.levels, args.models, args.max_tokens, args.threads, say, slos, args.detailed, args.quick)
     one = multi["levels"][0] if multi["levels"] else None
     eight = next((r for r in multi["levels"] if r["concurrency"] == 8), None)
     targets = {
@@ -385,6 +418,8 @@ def main(argv=None) -> int:
                                                       if eight and s8 else None)
     result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "threads": args.threads,
                           "autogroup_nice": args.autogroup_nice},
+              "quick": args.quick, "model": "tiny llama (tests/tiny_models.py)" if args.quick else "embedded config",
+              "slo_ms": slos or None, "engine_tokens": args.engine_tokens,
               "max_tokens": args.max_tokens, "models": args.models, "bare_tok_s": bare, "engine_rounds": rounds,
               "slots": multi,
               "single_slot": single, "targets": targets}

@@ -7,7 +7,8 @@ metrics)``. One request goes:
    (another one if it fails);
 2. ``POST /decode`` on a decode server with the KV reference; the decode server
    pulls the bundle from the prefill server itself (a decode server that does not
-   accept the connection is tried once more before the next one: seed 003's "retry 1x");
+   accept the connection is tried once more before the next one: the request never
+   reached it, so the KV lease it names is intact);
 3. a lost KV (lease expired, prefill server gone) is recomputed once: a new
    prefill, a new decode;
 4. with no prefill server left, or a handoff that failed twice, the decode
@@ -34,6 +35,7 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.exceptions import NewConnectionError
 
+from . import chat
 from . import config as cluster_config
 from . import routing
 from .errors import BadRequest, DisaggError, NoServerAvailable, UpstreamError, UpstreamTimeout, from_body
@@ -43,8 +45,8 @@ log = logging.getLogger(__name__)
 # Decode-server answers that mean "the KV is gone, recompute": unknown/expired
 # handle, unreachable prefill server, unusable bundle, a state that failed its canary.
 KV_LOST_CODES = {"not_found", "lease_expired", "upstream_error", "upstream_timeout", "bad_bundle", "canary_mismatch"}
-# Seed 003's "retry 1x": a decode server that could not be connected to is tried once more after
-# this pause before it is marked down (the request never reached it, so its KV lease is intact).
+# A decode server that could not be connected to is tried once more after this pause before it is
+# marked down: the request never reached it, so its KV lease is intact and the retry costs the pause.
 DECODE_CONNECT_RETRY_DELAY = 0.5
 
 
@@ -95,6 +97,86 @@ class _Attempt(Exception):
     def __init__(self, server: TrackedServer, error: DisaggError, retryable: bool = True):
         super().__init__(str(error))
         self.server, self.error, self.retryable = server, error, retryable
+
+
+@dataclass
+class Served:
+    """How one request was served: the servers it went to, what they answered, and when."""
+
+    decode_server: TrackedServer
+    method: str  # kv_handoff, token_ids_recompute, decode_only or decode_only_fallback
+    prefill_server: TrackedServer | None = None
+    prefill: dict | None = None  # the prefill server's answer (a handoff)
+    decode: dict | None = None  # the decode server's answer: generated_text, finish_reason, metrics
+    decode_sent_at: float | None = None  # when the request that the decode server answered was sent
+    decode_connect_retries: list = field(default_factory=list)  # connections it refused, each retried once
+    first_piece_at: float | None = None  # a stream: when its first piece arrived
+    lines: object = None  # a stream: the decode server's NDJSON lines, open until the last
+
+    def prefill_metrics(self) -> dict:
+        """The prefill's metrics: its /prefill answer's, and for a streamed handoff (answered before the prompt
+        was evaluated) those its KV stream ended with, which the decode server passes on."""
+        pre = dict((self.prefill or {}).get("metrics", {}))
+        pre.update((self.decode or {}).get("metrics", {}).get("prefill_metrics") or {})
+        return pre
+
+    def metrics(self, started: float, notes: list) -> dict:
+        """The request's metrics, as ``generate`` returns them (``started``: when it began)."""
+        pre = self.prefill_metrics()
+        dec = self.decode["metrics"]
+        prompt_tokens = dec.get("prompt_tokens") or pre.get("prompt_tokens") or 0
+        completion = dec.get("completion_tokens", 0)
+        prefill_time = pre.get("prefill_time", dec.get("prompt_eval_time", 0.0)) if self.prefill else dec.get(
+            "prompt_eval_time", 0.0)
+        metrics = {
+            "prefill_time": prefill_time,
+            "decode_time": dec.get("decode_time"),
+            "total_time": round(time.perf_counter() - started, 6),
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "prefill_speed": pre.get("prefill_speed") if self.prefill else dec.get("prompt_eval_speed"),
+            "decode_speed": dec.get("decode_speed"),
+            "method": self.method,
+            "prefill_server": self.prefill_server.entry.address if self.prefill_server else None,
+            "decode_server": self.decode_server.entry.address,
+            "kv_bytes": dec.get("kv_bytes", 0),
+            "kv_transfer_time": dec.get("kv_transfer_time", 0.0),
+            "kv_load_time": dec.get("kv_load_time"),
+            "ttft": dec.get("ttft"),
+            # a stream's first piece arrives here: measured whole on the client's clock
+            "ttft_end_to_end": (round(self.first_piece_at - started, 6) if self.first_piece_at is not None
+                                else _end_to_end_ttft(started, self.decode_sent_at, dec.get("ttft"))),
+            "decode_connect_retries": len(self.decode_connect_retries),
+            "prompt_tokens_recomputed": dec.get("prompt_tokens_recomputed"),
+            # prompt tokens whose KV the evaluating server's slot already held (its prefix cache)
+            "prompt_tokens_cached": (pre if self.prefill else dec).get("prompt_tokens_cached"),
+            "finish_reason": self.decode.get("finish_reason"),
+            # of completion_tokens, those the model reasoned with (None: the server does not say)
+            "reasoning_tokens": dec.get("reasoning_tokens"),
+        }
+        # what the model's chat format read apart from the answer: never part of the text
+        for key in ("reasoning", "tool_calls"):
+            if self.decode.get(key):
+                metrics[key] = self.decode[key]
+        # the handoff's canary (kv/canary.py): what the decode side found, and what making it cost
+        for key in ("canary", "canary_top1_match", "canary_divergence", "canary_tolerance", "canary_check_ms"):
+            if key in dec:
+                metrics[key] = dec[key]
+        # how the KV went (whole after the prefill, or streamed during it) and, streamed, what was left after it
+        if self.prefill:
+            metrics["handoff_mode"] = dec.get("handoff_mode") or pre.get("handoff_mode") or "whole"
+            for key in ("handoff_mode_reason", "kv_import", "kv_wait_time", "kv_exposed_time"):
+                value = dec.get(key, pre.get(key))
+                if value is not None:
+                    metrics[key] = value
+        if pre.get("canary_ms") is not None:
+            metrics["canary_ms"] = pre["canary_ms"]
+        notes = notes + [f"decode server did not accept the connection, retried once: {m}"
+                         for m in self.decode_connect_retries]
+        if notes:
+            metrics["warnings"] = list(notes)
+        return metrics
 
 
 class DisaggregatedClient:
@@ -164,13 +246,24 @@ class DisaggregatedClient:
     # -- server choice and health --------------------------------------------------------------
 
     def _kv_kind(self, model_key: str) -> dict:
-        """``{"kv_kind": "neutral_kv"}`` when the model's decode servers continue neutral bundles but not
-        llama.cpp state (an MLX decode server), as their last /health ``accepts`` said; else nothing
-        (a client that never checked health asks for the prefill backend's own kind)."""
+        """The bundle kind to ask the prefill server for: nothing when every decode server of the model
+        continues what its prefill servers hand over (their last /health ``handoff`` and ``accepts``), else
+        ``{"kv_kind": "neutral_kv"}`` when every one of them reads that (an MLX decode server behind a
+        llama.cpp prefill server). Before the prefill servers' health is known: ``neutral_kv`` when no decode server
+        reads llama.cpp state, else nothing (the prefill backend's own kind)."""
         with self._lock:  # not _candidates(): that advances the round-robin
             accepts = [s.health.get("accepts") for s in self.servers.values()
                        if s.entry.role == "decode" and s.entry.model == model_key and s.up]
-        if accepts and all(a and "neutral_kv" in a and "llama_seq_state" not in a for a in accepts):
+            handed = {s.health.get("handoff") for s in self.servers.values()
+                      if s.entry.role == "prefill" and s.entry.model == model_key and s.up}
+        handed.discard(None)
+        if not accepts or not all(accepts):
+            return {}
+        if handed:  # what the prefill servers hand over is known
+            if all(kind in a for a in accepts for kind in handed):
+                return {}
+            return {"kv_kind": "neutral_kv"} if all("neutral_kv" in a for a in accepts) else {}
+        if all("neutral_kv" in a and "llama_seq_state" not in a for a in accepts):
             return {"kv_kind": "neutral_kv"}
         return {}
 
@@ -220,16 +313,16 @@ class DisaggregatedClient:
                                  prefill.entry.name if prefill else None, decode.entry.name if decode else None,
                                  prefill_queue=queue, reported=reported, streamed=streamed, chunk_tokens=chunk)
 
-    def _learn(self, model_key: str, source: dict, answer: dict, metrics: dict, clean: bool) -> None:
+    def _learn(self, model_key: str, source: dict, served: Served, metrics: dict, clean: bool) -> None:
         """Feed what this request measured to the cost model (``clean``: no retry or fallback inflated its times)."""
-        method = answer["method"]
+        method = served.method
         path = routing.HANDOFF if method == "kv_handoff" else routing.LOCAL if method.startswith("decode_only") else None
         if path is None:
             return
         self.costs.observe(model_key, routing.prompt_chars(source), path,
-                           answer["prefill_server"].entry.name if answer["prefill_server"] else None,
-                           answer["decode_server"].entry.name, _prefill_metrics(answer),
-                           answer["decode"]["metrics"], metrics.get("ttft_end_to_end") if clean else None)
+                           served.prefill_server.entry.name if served.prefill_server else None,
+                           served.decode_server.entry.name, served.prefill_metrics(),
+                           served.decode["metrics"], metrics.get("ttft_end_to_end") if clean else None)
 
     def _mark_failure(self, server: TrackedServer, error: str, hard: bool = False) -> None:
         with self._lock:
@@ -344,35 +437,56 @@ class DisaggregatedClient:
     def generate(self, model: str, prompt: str | None = None, max_tokens: int = 256, temperature: float = 0.0, *,
                  messages: list | None = None, top_p: float = 1.0, seed: int | None = None, stop=None,
                  json_schema: dict | None = None, raw: bool = False, top_k: int | None = None,
-                 system: str | None = None, route: str | None = None) -> tuple[str, dict]:
-        """One request; ``route`` ("auto", "handoff", "decode_only") overrides ``client.route`` for it."""
+                 system: str | None = None, route: str | None = None, tools: list | None = None,
+                 tool_choice=None, reasoning_effort: str | None = None,
+                 reasoning_budget: int | None = None) -> tuple[str, dict]:
+        """One request; ``route`` ("auto", "handoff", "decode_only") overrides ``client.route`` for it.
+
+        The text is the answer alone. A model that reasons (gpt-oss) returns its chain of thought in
+        ``metrics["reasoning"]`` and how many tokens it took in ``metrics["reasoning_tokens"]``;
+        ``reasoning_effort`` (low, medium, high) asks for more or less of it and ``reasoning_budget`` caps
+        it (tokens; by default half of ``max_tokens``), after which the model is moved on to its answer.
+        ``tools`` (functions in the OpenAI API's shape) may be called: the calls are in
+        ``metrics["tool_calls"]`` (``{"name", "arguments"}``, the arguments as JSON text) and
+        ``finish_reason`` is ``tool_calls``; ``tool_choice`` is auto, none, required or a function."""
         started = time.perf_counter()
         model_key = self.config.resolve_model(model)
         source, sampling = _request_bodies(prompt, messages, raw, system=system, max_tokens=max_tokens,
                                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                                           json_schema=json_schema)
+                                           json_schema=json_schema, tools=tools, tool_choice=tool_choice,
+                                           reasoning_effort=reasoning_effort, reasoning_budget=reasoning_budget)
         decision = self._route(model_key, source, route)
 
-        def local(method: str) -> dict:
+        def local(method: str) -> Served:
             sent, retries = [], []
             decode_server, data = self._on("decode", model_key, lambda s: self._post_retrying_connect(
                 s, "/generate", {**source, **sampling}, sent, retries))
-            return {"prefill": None, "prefill_server": None, "decode": data, "decode_server": decode_server,
-                    "method": method, "decode_sent_at": sent[-1], "decode_connect_retries": retries}
+            return Served(decode_server, method, decode=data, decode_sent_at=sent[-1], decode_connect_retries=retries)
 
-        answer, notes = self._by_route(model_key, decision, lambda: self._disaggregated(model_key, source, sampling),
-                                       local)
-        metrics = self._metrics(answer, started, notes)
+        served, notes = self._by_route(model_key, decision, lambda: self._disaggregated(model_key, source, sampling),
+                                       local, started)
+        metrics = served.metrics(started, notes)
         metrics.update(decision.as_metrics())
-        self._learn(model_key, source, answer, metrics, clean=not notes and not answer["decode_connect_retries"])
+        self._learn(model_key, source, served, metrics, clean=not notes and not served.decode_connect_retries)
         self._remember(model_key, metrics)
-        return answer["decode"]["generated_text"], metrics
+        return served.decode["generated_text"], metrics
 
-    def _by_route(self, model_key: str, decision, handoff, local) -> tuple[dict, list[str]]:
+    def _by_route(self, model_key: str, decision, handoff, local, started: float) -> tuple[Served, list[str]]:
         """Serve a request the way ``decision`` chose: ``local("decode_only")`` when the router kept it
         on the decode server; else ``handoff()``, recomputing a lost KV up to ``retries`` times, then
         ``local("decode_only_fallback")`` with a ``FallbackWarning`` when no handoff could be made.
-        Returns (what the chosen call returned, the notes of what went wrong on the way)."""
+        Returns (what the chosen call returned, the notes of what went wrong on the way). A request
+        no server could serve goes into the history too (``error``), then its error is raised."""
+        try:
+            return self._serve_by_route(model_key, decision, handoff, local)
+        except DisaggError as exc:
+            with self._lock:
+                self.history.append({"time": time.time(), "model": model_key, "error": exc.code,
+                                     "error_message": exc.message[:300],
+                                     "total_time": round(time.perf_counter() - started, 6)})
+            raise
+
+    def _serve_by_route(self, model_key: str, decision, handoff, local) -> tuple[Served, list[str]]:
         notes: list[str] = []
         if decision.path == routing.LOCAL:  # chosen, not a fallback: no warning
             return local("decode_only"), notes
@@ -395,8 +509,8 @@ class DisaggregatedClient:
         with self._lock:
             self.history.append({"time": time.time(), "model": model_key, **{k: metrics.get(k) for k in (
                 "method", "prefill_time", "decode_time", "total_time", "prompt_tokens", "completion_tokens",
-                "prefill_speed", "decode_speed", "prefill_server", "decode_server", "kv_bytes", "ttft_end_to_end",
-                "route_reason")}})
+                "prefill_speed", "decode_speed", "prefill_server", "decode_server", "kv_bytes", "kv_transfer_time",
+                "ttft", "ttft_end_to_end", "prompt_tokens_cached", "canary", "route_reason", "reasoning_tokens")}})
 
     def _handoff(self, model_key: str, source: dict, decode) -> tuple:
         """Prefill on one server (asking for the KV kind the decode servers read), then ``decode(server,
@@ -424,18 +538,17 @@ class DisaggregatedClient:
             raise
         return prefill_server, prefilled, decode_server, decoded
 
-    def _disaggregated(self, model_key: str, source: dict, sampling: dict) -> dict:
+    def _disaggregated(self, model_key: str, source: dict, sampling: dict) -> Served:
         sent, retries = [], []
         prefill_server, prefilled, decode_server, decoded = self._handoff(
             model_key, source, lambda server, pre: self._post_retrying_connect(
                 server, "/decode", {"kv": pre["kv"], **sampling}, sent, retries))
-        return {"prefill": prefilled, "prefill_server": prefill_server, "decode": decoded,
-                "decode_server": decode_server, "method": decoded["metrics"].get("method", "disaggregated"),
-                "decode_sent_at": sent[-1], "decode_connect_retries": retries}
+        return Served(decode_server, decoded["metrics"].get("method", "disaggregated"), prefill_server, prefilled,
+                      decoded, decode_sent_at=sent[-1], decode_connect_retries=retries)
 
     def _post_retrying_connect(self, server: TrackedServer, path: str, body: dict, sent: list, retries: list) -> dict:
-        """POST to a decode server; one that could not be connected to gets one more try (seed 003's
-        "retry 1x"), the same server after ``DECODE_CONNECT_RETRY_DELAY``. Appends each send's
+        """POST to a decode server; one that could not be connected to gets one more try, the same
+        server after ``DECODE_CONNECT_RETRY_DELAY``. Appends each send's
         time to ``sent`` and each retried failure to ``retries``."""
         sent.append(time.perf_counter())
         timeout = self._decode_wait(body)
@@ -460,63 +573,16 @@ class DisaggregatedClient:
     def _pause_before_retry(self) -> None:
         time.sleep(DECODE_CONNECT_RETRY_DELAY)
 
-    @staticmethod
-    def _metrics(answer: dict, started: float, notes: list) -> dict:
-        pre = _prefill_metrics(answer)
-        dec = answer["decode"]["metrics"]
-        prompt_tokens = dec.get("prompt_tokens") or pre.get("prompt_tokens") or 0
-        completion = dec.get("completion_tokens", 0)
-        prefill_time = pre.get("prefill_time", dec.get("prompt_eval_time", 0.0)) if answer["prefill"] else dec.get(
-            "prompt_eval_time", 0.0)
-        metrics = {
-            "prefill_time": prefill_time,
-            "decode_time": dec.get("decode_time"),
-            "total_time": round(time.perf_counter() - started, 6),
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-            "prefill_speed": pre.get("prefill_speed") if answer["prefill"] else dec.get("prompt_eval_speed"),
-            "decode_speed": dec.get("decode_speed"),
-            "method": answer["method"],
-            "prefill_server": answer["prefill_server"].entry.address if answer["prefill_server"] else None,
-            "decode_server": answer["decode_server"].entry.address,
-            "kv_bytes": dec.get("kv_bytes", 0),
-            "kv_transfer_time": dec.get("kv_transfer_time", 0.0),
-            "kv_load_time": dec.get("kv_load_time"),
-            "ttft": dec.get("ttft"),
-            # a stream's first piece arrives here: measured whole on the client's clock
-            "ttft_end_to_end": (round(answer["first_piece_at"] - started, 6) if "first_piece_at" in answer
-                                else _end_to_end_ttft(started, answer["decode_sent_at"], dec.get("ttft"))),
-            "decode_connect_retries": len(answer.get("decode_connect_retries", ())),
-            "prompt_tokens_recomputed": dec.get("prompt_tokens_recomputed"),
-            # prompt tokens whose KV the evaluating server's slot already held (its prefix cache)
-            "prompt_tokens_cached": (pre if answer["prefill"] else dec).get("prompt_tokens_cached"),
-            "finish_reason": answer["decode"].get("finish_reason"),
-        }
-        # the handoff's canary (kv/canary.py): what the decode side found, and what making it cost
-        for key in ("canary", "canary_top1_match", "canary_divergence", "canary_tolerance", "canary_check_ms"):
-            if key in dec:
-                metrics[key] = dec[key]
-        # how the KV went (whole after the prefill, or streamed during it) and, streamed, what was left after it
-        if answer["prefill"]:
-            metrics["handoff_mode"] = dec.get("handoff_mode") or pre.get("handoff_mode") or "whole"
-            for key in ("handoff_mode_reason", "kv_import", "kv_wait_time", "kv_exposed_time"):
-                value = dec.get(key, pre.get(key))
-                if value is not None:
-                    metrics[key] = value
-        if pre.get("canary_ms") is not None:
-            metrics["canary_ms"] = pre["canary_ms"]
-        notes = notes + [f"decode server did not accept the connection, retried once: {m}"
-                         for m in answer.get("decode_connect_retries", ())]
-        if notes:
-            metrics["warnings"] = list(notes)
-        return metrics
-
     def stream(self, model: str, prompt: str | None = None, max_tokens: int = 256, temperature: float = 0.0, *,
                messages: list | None = None, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
                stop=None, json_schema: dict | None = None, raw: bool = False, system: str | None = None,
-               on_route=None, route: str | None = None):
+               on_route=None, route: str | None = None, tools: list | None = None, tool_choice=None,
+               reasoning_effort: str | None = None, reasoning_budget: int | None = None, parts: bool = False):
         """Like ``generate``, but yield the text pieces as the decode server sends them, then the metrics dict.
+
+        The pieces are the answer's. With ``parts``, the reasoning and the tool calls come too, as they
+        arrive, each a ``chat.Part`` (``kind`` ``reasoning`` with its text, or ``tool_call`` with
+        ``{"name", "arguments"}``); the answer's pieces stay strings. Either way the metrics carry them whole.
 
         Routing, failover, the recompute of a lost KV and the decode-only fallback happen as in
         ``generate`` until the decode server's stream has opened (its answer arrives with the first
@@ -530,65 +596,74 @@ class DisaggregatedClient:
         model_key = self.config.resolve_model(model)
         source, sampling = _request_bodies(prompt, messages, raw, system=system, max_tokens=max_tokens,
                                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                                           json_schema=json_schema)
+                                           json_schema=json_schema, tools=tools, tool_choice=tool_choice,
+                                           reasoning_effort=reasoning_effort, reasoning_budget=reasoning_budget)
         sampling["stream"] = True
         decision = self._route(model_key, source, route)
 
-        def local(method: str) -> dict:
+        def local(method: str) -> Served:
             decode_server, lines = self._on("decode", model_key, lambda s: self._open_stream(
                 s, "/generate", {**source, **sampling}, self.decode_timeout))
-            return {"prefill": None, "prefill_server": None, "decode_server": decode_server, "lines": lines,
-                    "method": method}
+            return Served(decode_server, method, lines=lines)
 
-        opened, notes = self._by_route(model_key, decision,
-                                       lambda: self._open_disaggregated(model_key, source, sampling), local)
-        lines = opened.pop("lines")
-        opened["first_piece_at"] = time.perf_counter()  # _open_stream returned once the first line had arrived
-        decode_server = opened["decode_server"]
+        served, notes = self._by_route(model_key, decision,
+                                       lambda: self._open_disaggregated(model_key, source, sampling), local, started)
+        lines, served.lines = served.lines, None
+        served.first_piece_at = time.perf_counter()  # _open_stream returned once the first line had arrived
+        decode_server = served.decode_server
         with self._lock:  # busy for the whole stream, so that least-loaded routing sees it
             decode_server.outstanding += 1
         try:
             if on_route is not None:
-                kv = (opened["prefill"] or {}).get("kv") or {}
-                on_route({"method": opened["method"], "prefill_server": opened["prefill_server"].entry.address
-                          if opened["prefill_server"] else None, "decode_server": opened["decode_server"].entry.address,
+                kv = (served.prefill or {}).get("kv") or {}
+                on_route({"method": served.method, "prefill_server": served.prefill_server.entry.address
+                          if served.prefill_server else None, "decode_server": decode_server.entry.address,
                           "kv_bytes": kv.get("bytes", 0), "warnings": list(notes)})
-            pieces, final = [], None
+            pieces, reasoning, calls, final = [], [], [], None
             for line in lines:
                 if line.get("error"):
                     err = from_body(502, {k: v for k, v in line.items() if k != "done"})
-                    err.message = f"{opened['decode_server'].entry.name} failed mid-stream: {err.message}"
+                    err.message = f"{decode_server.entry.name} failed mid-stream: {err.message}"
                     err.args = (err.message,)
                     raise err
                 if line.get("done"):
                     final = line
                     break
-                pieces.append(line.get("text") or "")
-                yield pieces[-1]
+                if line.get("reasoning") is not None:
+                    reasoning.append(line["reasoning"])
+                    if parts:
+                        yield chat.Part(chat.REASONING, line["reasoning"])
+                elif line.get("tool_call") is not None:
+                    calls.append(line["tool_call"])
+                    if parts:
+                        yield chat.Part(chat.TOOL_CALL, line["tool_call"])
+                else:
+                    pieces.append(line.get("text") or "")
+                    yield pieces[-1]
         finally:
             lines.close()
             with self._lock:
                 decode_server.outstanding -= 1
         if final is None:
-            raise UpstreamError(f"{opened['decode_server'].entry.name} ended its stream without a final line")
-        if not opened["method"].startswith("decode_only"):
-            opened["method"] = final["metrics"].get("method", "disaggregated")
-        answer = {**opened, "decode": {"generated_text": "".join(pieces), "finish_reason": final.get("finish_reason"),
-                                       "metrics": final.get("metrics") or {}}}
-        metrics = self._metrics(answer, started, notes)
+            raise UpstreamError(f"{decode_server.entry.name} ended its stream without a final line")
+        if not served.method.startswith("decode_only"):
+            served.method = final["metrics"].get("method", "disaggregated")
+        served.decode = {"generated_text": "".join(pieces), "finish_reason": final.get("finish_reason"),
+                         "metrics": final.get("metrics") or {}, "reasoning": "".join(reasoning), "tool_calls": calls}
+        metrics = served.metrics(started, notes)
         metrics.update(decision.as_metrics())
-        self._learn(model_key, source, answer, metrics, clean=not notes)
+        self._learn(model_key, source, served, metrics, clean=not notes)
         self._remember(model_key, metrics)
         yield metrics
 
-    def _open_disaggregated(self, model_key: str, source: dict, sampling: dict) -> dict:
+    def _open_disaggregated(self, model_key: str, source: dict, sampling: dict) -> Served:
         """``_disaggregated`` up to the first line of the decode server's stream."""
         prefill_server, prefilled, decode_server, lines = self._handoff(
             model_key, source, lambda server, pre: self._open_stream(
                 server, "/decode", {"kv": pre["kv"], **sampling}, self._decode_wait(pre)))
         kind = (prefilled.get("kv") or {}).get("kind")
-        return {"prefill": prefilled, "prefill_server": prefill_server, "decode_server": decode_server, "lines": lines,
-                "method": "token_ids_recompute" if kind == "token_ids" else "kv_handoff"}
+        return Served(decode_server, "token_ids_recompute" if kind == "token_ids" else "kv_handoff", prefill_server,
+                      prefilled, lines=lines)
 
     def _open_stream(self, server: TrackedServer, path: str, body: dict, timeout: float):
         """POST a streaming request; return its NDJSON lines once the first one has arrived.
@@ -667,14 +742,6 @@ def describe_overlap(figures: dict) -> str:
             f"of wall time" + (f" ({overlap:.2f} requests in flight on average)" if overlap else ""))
 
 
-def _prefill_metrics(answer: dict) -> dict:
-    """The prefill's metrics: its /prefill answer's, and for a streamed handoff (answered before the prompt
-    was evaluated) those its KV stream ended with, which the decode server passes on."""
-    pre = dict((answer.get("prefill") or {}).get("metrics", {}))
-    pre.update((answer.get("decode") or {}).get("metrics", {}).get("prefill_metrics") or {})
-    return pre
-
-
 def _end_to_end_ttft(started: float, decode_sent_at: float, server_ttft: float | None) -> float | None:
     """Seconds from the client's start of the request to the decode server's first token.
 
@@ -703,8 +770,10 @@ def _raise_kv_lost(server: TrackedServer, exc: DisaggError) -> None:
 
 
 def _request_bodies(prompt, messages, raw, *, system=None, max_tokens, temperature, top_p, top_k=None, seed=None,
-                    stop=None, json_schema=None) -> tuple[dict, dict]:
-    """The prompt part (for /prefill and /generate) and the sampling part (for /decode) of a request."""
+                    stop=None, json_schema=None, tools=None, tool_choice=None, reasoning_effort=None,
+                    reasoning_budget=None) -> tuple[dict, dict]:
+    """The prompt part (for /prefill and /generate) and the sampling part (for /decode) of a request. The tools
+    go in both: the prompt renders them, the decode side reads the calls."""
     if (prompt is None) == (messages is None):
         raise BadRequest("give prompt or messages", field="prompt")
     source = {"messages": messages} if messages is not None else {"prompt": prompt}
@@ -721,6 +790,13 @@ def _request_bodies(prompt, messages, raw, *, system=None, max_tokens, temperatu
         sampling["stop"] = stop
     if json_schema is not None:
         sampling["json_schema"] = json_schema
+    if reasoning_effort is not None:
+        source["reasoning_effort"] = reasoning_effort
+    if reasoning_budget is not None:
+        sampling["reasoning_budget"] = reasoning_budget
+    for key, value in (("tools", tools), ("tool_choice", tool_choice)):
+        if value is not None:
+            source[key] = sampling[key] = value
     return source, sampling
 
 

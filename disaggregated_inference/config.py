@@ -3,49 +3,29 @@
 One JSON file (``config_current.json``) drives the client, the local cluster,
 the server launcher and the operations scripts. It is validated once, on load;
 a bad file gets one ``ConfigError`` naming the file, the key and what was
-expected. The seeds' shape (``prefill_servers``/``decode_servers`` lists of
-``{host, port, model, name}`` and nothing else) loads as it is.
+expected. The design documents' shape (``prefill_servers``/``decode_servers`` lists
+of ``{host, port, model, name}`` and nothing else) loads as it is: its model keys
+are the production roles, served by Ollama.
 """
 from __future__ import annotations
 
 import copy
 import json
 import os
-import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from . import backends
+from . import backends, routing
+from .backends import options
 from .errors import ConfigError
-from .ops.launch import MIN_NON_TEMPORAL_BYTES
+from .tuning import MIN_NON_TEMPORAL_BYTES, OPENMP_WAITS
 
 DEFAULT_CONFIG_FILE = "config_current.json"
-ROUTES = ("auto", "handoff", "decode_only")  # client.route (routing.MODES)
-OPENMP_WAITS = ("auto", "spin", "sleep")  # server.openmp_wait (ops/launch.py)
 
-# Settings a model entry (or a server entry, overriding its model) may carry.
-MODEL_KEYS = {
-    "backend": str,          # a registered backend: "llama_cpp", "ollama", or a plugin's
-    "model": str,            # built-in name, GGUF path, "ollama:NAME" (llama_cpp) or Ollama model name (ollama)
-    "aliases": list,
-    "n_ctx": int,
-    "n_threads": int,
-    "n_batch": int,
-    "n_gpu_layers": int,
-    "flash_attn": bool,
-    "parallel": int,
-    "prefix_cache": bool,    # llama_cpp: reuse a free slot's KV for a prompt sharing its start (default true)
-    "type_k": str,
-    "type_v": str,
-    "ollama_host": str,
-    "ollama_timeout": (int, float),
-    "keep_alive": (str, int),
-    "ollama_options": dict,
-    "device": str,           # transformers: auto | cpu | cuda | cuda:N | mps
-}
-DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:[0-9]+)?)$")
-SERVER_KEYS = {"name": str, "host": str, "port": int, "model": str, "data_url": str, **{
-    k: v for k, v in MODEL_KEYS.items() if k != "aliases"}}
+# What a model entry carries besides its engine's options (backends/options.py), and what a server
+# entry carries besides the options it overrides for that machine ("model" names a model entry).
+MODEL_ENTRY_KEYS = {"aliases": list}
+SERVER_ENTRY_KEYS = {"name": str, "host": str, "port": int, "model": str, "data_url": str}
 CLIENT_DEFAULTS = {
     "prefill_timeout": 60.0,
     "decode_timeout": 180.0,
@@ -88,13 +68,13 @@ class ServerOptions:
     slow_transfer_seconds: float = 1.0
     kv_buffer_idle_seconds: float = 300.0  # decode: how long a freed receive buffer is kept warm
     kv_socket_buffer_bytes: int = 4 << 20  # decode: the KV pull's socket receive buffer; 0 = the kernel's
-    non_temporal_copy_bytes: int = 256 << 10  # copies this large bypass the CPU cache (ops/launch.py); 0 = glibc's
+    non_temporal_copy_bytes: int = 256 << 10  # copies this large bypass the CPU cache (tuning.py); 0 = glibc's
     max_kv_bytes: int = 64 << 30
     api_token: str | None = None
     threads: int = 32  # gunicorn request threads of each server: threads - 1 may wait for or hold a model slot
     # llama.cpp's CPU threads at a barrier: "spin" (OpenMP's default: spin briefly, then sleep), "sleep"
     # (OMP_WAIT_POLICY=PASSIVE), or "auto": sleep only when the servers on one machine have more compute
-    # threads than it has cores (ops/launch.py)
+    # threads than it has cores (tuning.py)
     openmp_wait: str = "auto"
     max_queue: int = 64  # requests waiting for a slot beyond which a server answers 503 at once
     # Trust and limits (docs/ARCHITECTURE.md, "Trust and limits")
@@ -140,8 +120,8 @@ def _check_ranges(section: dict, ranges: dict, where: str, source: str) -> None:
 def check_limits(client: dict, server: dict, source: str) -> None:
     """Range checks of the client and server sections, and the timeouts that must agree with each other."""
     _check_ranges(client, CLIENT_RANGES, "client", source)
-    if client["route"] not in ROUTES:
-        raise ConfigError(f"{source}: client.route must be one of {', '.join(ROUTES)}, got {client['route']!r}",
+    if client["route"] not in routing.MODES:
+        raise ConfigError(f"{source}: client.route must be one of {', '.join(routing.MODES)}, got {client['route']!r}",
                           field="client.route")
     if client["handoff_mode"] not in HANDOFF_MODES:
         raise ConfigError(f"{source}: client.handoff_mode must be one of {', '.join(HANDOFF_MODES)}, "
@@ -181,6 +161,19 @@ DEFAULT_ALIASES = {
 PRODUCTION_MODELS = {key: names[0] for key, names in DEFAULT_ALIASES.items()}
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a host (or a bind address's host) is reachable from this machine only."""
+    import ipaddress
+
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
 @dataclass
 class ServerEntry:
     role: str  # "prefill" or "decode"
@@ -199,6 +192,11 @@ class ServerEntry:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def machine(self) -> str:
+        """The machine the server runs on, as far as the config tells: its host, every loopback name as one."""
+        return "loopback" if is_loopback(self.host) else self.host
 
 
 @dataclass
@@ -264,10 +262,51 @@ def _check_keys(obj, spec: dict, where: str, source: str, required=()) -> None:
             )
 
 
-def _check_device(entry: dict, where: str, source: str) -> None:
-    if "device" in entry and not DEVICE.match(entry["device"]):
-        raise ConfigError(f"{source}: {where}.device must be auto, cpu, cuda, cuda:N or mps, got "
-                          f"{json.dumps(entry['device'])}", field=f"{where}.device")
+def _engine_of(entry: dict, where: str, source: str, default: str) -> tuple[str, type]:
+    """The name and settings class of the engine an entry runs (its ``backend``, or ``default``)."""
+    backend = entry.get("backend", default)
+    if not isinstance(backend, str):
+        raise ConfigError(f"{source}: {where}.backend must be str, got {json.dumps(backend)}", field=f"{where}.backend")
+    if not backends.is_registered(backend):
+        raise ConfigError(f"{source}: {where}.backend must be a registered backend ({', '.join(backends.names())}), "
+                          f"got {backend!r}", field=f"{where}.backend")
+    return backend, backends.settings_class(backend)
+
+
+def _check_options(entry: dict, engine: tuple[str, type], own: dict, where: str, source: str) -> None:
+    """Check an entry's keys: its own (``own``: key -> type) and the options its engine (name, settings
+    class) declares. A key that is an option of another engine only is checked as that option, then refused."""
+    backend, declared = engine[0], options.declared(engine[1])
+    _check_keys({k: v for k, v in entry.items() if k in own}, own, where, source)
+    for key, value in entry.items():
+        if key in own:
+            continue
+        option = declared.get(key) or _option_elsewhere(key)
+        if option is None:
+            raise ConfigError(f"{source}: unknown key {where}.{key} (expected one of: "
+                              f"{', '.join(sorted({*own, *declared}))})", field=f"{where}.{key}")
+        option.check(value, f"{where}.{key}", source)
+        if key not in declared:
+            raise ConfigError(f"{source}: {where}.{key} is not an option of the {backend} backend (its options: "
+                              f"{', '.join(declared)})", field=f"{where}.{key}")
+
+
+def _option_elsewhere(key: str):
+    """The declaration of ``key`` by any registered engine that can be imported here, or None."""
+    for name in backends.names():
+        try:
+            found = options.declared(backends.settings_class(name)).get(key)
+        except ConfigError:
+            continue
+        if found is not None:
+            return found
+    return None
+
+
+def _default_backend(model_entry: dict) -> str:
+    """A model entry without ``backend`` runs llama.cpp when it names a model file, else Ollama (the documents'
+    shape, where a model entry names none)."""
+    return "llama_cpp" if "model" in model_entry else "ollama"
 
 
 def _with_defaults(given, defaults: dict, where: str, source: str) -> dict:
@@ -285,19 +324,18 @@ def from_dict(data: dict, source: str = "<dict>") -> ClusterConfig:
     _check_keys(data, top, "config", source, required=("prefill_servers", "decode_servers"))
 
     models = data.get("models")
-    if models is None:  # seeds' shape: model keys come from the servers, aliases from the defaults
+    if models is None:  # the documents' shape: model keys come from the servers, aliases from the defaults
         names = {s.get("model") for s in data["prefill_servers"] + data["decode_servers"] if isinstance(s, dict)}
         models = {n: {"aliases": list(DEFAULT_ALIASES.get(n, []))} for n in sorted(filter(None, names))}
     for key, entry in models.items():
-        _check_keys(entry, MODEL_KEYS, f"models.{key}", source)
-        _check_device(entry, f"models.{key}", source)
-        registered = backends.names()
-        if entry.get("backend", "llama_cpp") not in registered:
-            raise ConfigError(f"{source}: models.{key}.backend must be a registered backend "
-                              f"({', '.join(registered)}), got {entry['backend']!r}", field=f"models.{key}.backend")
+        where = f"models.{key}"
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{source}: {where} must be an object, got {type(entry).__name__}", field=where)
+        _check_options(entry, _engine_of(entry, where, source, _default_backend(entry)), MODEL_ENTRY_KEYS, where,
+                       source)
         for alias in entry.get("aliases", []):
             if not isinstance(alias, str):
-                raise ConfigError(f"{source}: models.{key}.aliases must be a list of strings", field=f"models.{key}.aliases")
+                raise ConfigError(f"{source}: {where}.aliases must be a list of strings", field=f"{where}.aliases")
 
     client = _with_defaults(data.get("client", {}), CLIENT_DEFAULTS, "client", source)
     server = _with_defaults(data.get("server", {}), SERVER_DEFAULTS, "server", source)
@@ -316,24 +354,31 @@ def from_dict(data: dict, source: str = "<dict>") -> ClusterConfig:
     for role in ("prefill", "decode"):
         for i, raw in enumerate(data[f"{role}_servers"]):
             where = f"{role}_servers[{i}]"
-            _check_keys(raw, SERVER_KEYS, where, source, required=("host", "port", "model"))
-            _check_device(raw, where, source)
+            if not isinstance(raw, dict):
+                raise ConfigError(f"{source}: {where} must be an object, got {type(raw).__name__}", field=where)
+            _check_keys({k: v for k, v in raw.items() if k in SERVER_ENTRY_KEYS}, SERVER_ENTRY_KEYS, where, source,
+                        required=("host", "port", "model"))
             if not 0 < raw["port"] < 65536:
                 raise ConfigError(f"{source}: {where}.port must be 1..65535, got {raw['port']}", field=f"{where}.port")
             if raw["model"] not in models:
                 raise ConfigError(f"{source}: {where}.model {raw['model']!r} is not a key of models "
                                   f"({', '.join(sorted(models))})", field=f"{where}.model")
+            model_entry = models[raw["model"]]
+            engine = _engine_of(raw, where, source, model_entry.get("backend") or _default_backend(model_entry))
+            _check_options(raw, engine, SERVER_ENTRY_KEYS, where, source)
             name = raw.get("name") or f"{role}-{raw['model']}-{raw['host']}:{raw['port']}"
             if name in seen:
                 raise ConfigError(f"{source}: {where}.name {name!r} is used twice", field=f"{where}.name")
             seen.add(name)
-            settings = {k: v for k, v in models[raw["model"]].items() if k != "aliases"}
-            # a server's "model" names a model entry; every other model key it carries overrides that entry
-            settings.update({k: v for k, v in raw.items() if k in MODEL_KEYS and k != "model"})
-            settings.setdefault("backend", "llama_cpp" if "model" in models[raw["model"]] else "ollama")
+            # a server's "model" names a model entry; every other option it carries overrides that entry's
+            settings = {k: v for k, v in model_entry.items() if k != "aliases"}
+            settings.update({k: v for k, v in raw.items() if k not in SERVER_ENTRY_KEYS})
+            settings.setdefault("backend", _default_backend(model_entry))
             if settings["backend"] == "ollama":  # the documents' key "qwen" asks Ollama for "qwen3-coder:30b"
                 settings.setdefault("model", PRODUCTION_MODELS.get(raw["model"], raw["model"]))
             settings.setdefault("model", raw["model"])
+            # the model entry's options for another engine do not apply to a server that runs this one
+            settings = {k: v for k, v in settings.items() if k in options.declared(engine[1])}
             entries[role].append(ServerEntry(role, name, raw["host"], raw["port"], raw["model"], settings,
                                              raw.get("data_url")))
     return ClusterConfig(models, entries["prefill"], entries["decode"], client, server, source, gateway)
@@ -344,7 +389,7 @@ def find(path: str | os.PathLike) -> Path:
 
     1. the path as given;
     2. if that file is absent and the path is the design documents' spelling
-       ``disaggregated_inference/config_current.json`` (seed 004), the ``config_current.json``
+       ``disaggregated_inference/config_current.json``, the ``config_current.json``
        of the directory that holds ``disaggregated_inference/`` (from the repository root: the
        repository's own file). There is one copy of the file; the loaded config's ``source``
        names the one read.

@@ -61,6 +61,7 @@ PRIOR_FIXED = {HANDOFF: 0.05, LOCAL: 0.01}  # seconds: two requests and a transf
 PRIOR_CHARS_PER_TOKEN = 4.0
 PRIOR_CHUNK_TOKENS = 512  # a prefill server's n_batch: the KV of its last chunk is what a stream leaves exposed
 MIN_TOKENS_FOR_SPEED = 8  # shorter prompts say more about overheads than about speed
+MIN_CHARS_FOR_RATIO = 256  # shorter prompts are mostly chat template: 7 characters can be 30 tokens
 
 
 class Average:
@@ -117,7 +118,7 @@ class CostModel:
         the client's end-to-end time to first token."""
         with self._lock:
             tokens = dec.get("prompt_tokens") or pre.get("prompt_tokens")
-            if tokens and chars:
+            if tokens and chars >= MIN_CHARS_FOR_RATIO:
                 self._avg("chars_per_token", model).add(chars / tokens)
             if path == HANDOFF:
                 self._observe_handoff(model, prefill, decode, pre, dec, ttft)

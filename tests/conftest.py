@@ -1,8 +1,16 @@
-"""Shared fixtures: a real local cluster of gunicorn servers on free ports.
+"""Shared fixtures: real local clusters of gunicorn servers on free ports, one per session.
 
-The cluster runs the two packaged models (SmolLM2 as "qwen", Gemma 3 270M as
-"gpt-oss"), one prefill and one decode server each, exactly as
-``config_current.json`` does, but on ports the OS picks.
+Two clusters, both shaped exactly as ``config_current.json`` (one prefill and one
+decode server for each of "qwen" and "gpt-oss"), on ports the OS picks:
+
+- ``tiny_cluster`` runs generated two-layer llama models (``tests/tiny_models.py``,
+  SmolLM2's real tokenizer and chat template, random weights; a step takes about a
+  millisecond). Tests of the protocol, trust, limits, failover, leases, backpressure,
+  the gateway and the ops tools use it: what they check does not depend on what a
+  model answers, and every handoff through it is still a real llama.cpp KV handoff.
+- ``cluster`` runs the two packaged models (SmolLM2 as "qwen", Gemma 3 270M as
+  "gpt-oss") for what needs their real answers: greedy-text equality of a handoff,
+  the canary's thresholds, the grading calibration.
 """
 from __future__ import annotations
 
@@ -15,7 +23,14 @@ import pytest
 import requests
 
 ROOT = Path(__file__).resolve().parents[1]
-THREADS = 2  # greedy output depends on the thread count: tests and servers use the same
+EXAMPLES = ROOT / "examples"
+CALIBRATION = EXAMPLES / "notebooks" / "calibration"
+# Greedy output depends on the thread count: tests and servers use the same. One thread each: the test
+# clusters put four servers (and the test process) on a two-core machine, where two OpenMP threads per model
+# either spin against each other at every barrier (measured here under load: SmolLM2 decoding at ~1 tok/s) or
+# sleep at each one (22-30 tok/s), while one thread has no barrier at all (43 tok/s).
+THREADS = 1
+TINY_THREADS = 1  # the tiny models: a step is too small to split anyway
 
 
 def cluster_config_dict(**server) -> dict:
@@ -24,6 +39,33 @@ def cluster_config_dict(**server) -> dict:
         model["n_threads"] = THREADS
     data["client"]["health_check_interval"] = 0  # tests drive health checks themselves
     data["server"].update(server)
+    return data
+
+
+def patient(config: dict) -> dict:
+    """A cluster's config with room for complete answers on a slow, shared machine: the default timeouts
+    (60 s prefill, 180 s decode) are for production hardware, and a test that fell back or timed out
+    because the test machine was busy would test the machine, not the code."""
+    return {**config, "client": {**config.get("client", {}), "prefill_timeout": 600.0, "decode_timeout": 900.0}}
+
+
+def tiny_model_settings(other: bool = False) -> dict:
+    """Model settings of a generated tiny llama; ``other`` gives another model (another fingerprint, and a
+    third layer, so that its KV does not fit the first one's layout either: as with the two real models)."""
+    from dataclasses import replace
+
+    from .tiny_models import LLAMA, tiny_gguf
+
+    shape = replace(LLAMA, n_layer=3, seed=1) if other else LLAMA
+    return {"backend": "llama_cpp", "model": str(tiny_gguf(shape)), "n_threads": TINY_THREADS, "n_ctx": 4096,
+            "flash_attn": True}
+
+
+def tiny_config_dict(**server) -> dict:
+    """``cluster_config_dict`` with both models generated tiny llamas ("qwen" the first, "gpt-oss" the other)."""
+    data = cluster_config_dict(**server)
+    data["models"]["qwen"].update(tiny_model_settings())
+    data["models"]["gpt-oss"].update(tiny_model_settings(other=True))
     return data
 
 
@@ -37,6 +79,39 @@ def cluster(tmp_path_factory, bytes_server):
     with LocalCluster(config, free_ports=True, log_dir=logs) as running:
         running.wait_healthy(timeout=600)
         yield running
+
+
+@pytest.fixture(scope="session")
+def tiny_cluster(tmp_path_factory, bytes_server):
+    from disaggregated_inference.ops.cluster import LocalCluster
+
+    config = tiny_config_dict(kv_sources=[bytes_server.address])
+    with LocalCluster(config, free_ports=True, log_dir=tmp_path_factory.mktemp("tiny-server-logs")) as running:
+        running.wait_healthy(timeout=120)
+        yield running
+
+
+@pytest.fixture(scope="session")
+def tiny_urls(tiny_cluster) -> dict:
+    return {p.entry.name: p.url for p in tiny_cluster.processes}
+
+
+@pytest.fixture(scope="session")
+def tiny_prefill(tiny_urls):
+    return tiny_urls["local-prefill-qwen"]
+
+
+@pytest.fixture(scope="session")
+def tiny_decode(tiny_urls):
+    return tiny_urls["local-decode-qwen"]
+
+
+@pytest.fixture(scope="session")
+def tiny_gateway(tiny_cluster) -> str:
+    """The OpenAI/Ollama gateway (a real gunicorn process) in front of ``tiny_cluster``: its base URL."""
+    proc = tiny_cluster.gateway or tiny_cluster.start_gateway()
+    tiny_cluster.wait_healthy(timeout=60, names=["gateway"])
+    return proc.url
 
 
 @pytest.fixture(scope="session")
@@ -103,3 +178,22 @@ def gateway(cluster) -> str:
     proc = cluster.gateway or cluster.start_gateway()
     cluster.wait_healthy(timeout=60, names=["gateway"])
     return proc.url
+
+
+@pytest.fixture(scope="session")
+def calibration_run(cluster, tmp_path_factory):
+    """The calibration notebooks (excellent to wrong) graded once on the packaged models, all four at once
+    as the grader's CLI grades a class: every test that needs real grades reads these.
+
+    Returns ``(rubric, options, results)``, ``results`` by notebook name."""
+    from disaggregated_inference import config as cluster_config
+    from disaggregated_inference.client import DisaggregatedClient
+    from disaggregated_inference.grading import GradingOptions, grade_batch, load_rubric
+
+    rubric = load_rubric(EXAMPLES / "rubric.yaml")
+    options = GradingOptions.for_cluster(cluster_config.coerce(cluster.config))
+    notebooks = sorted(CALIBRATION.glob("*.ipynb"))
+    with DisaggregatedClient(patient(cluster.config), health_check=False) as client:
+        run = grade_batch(CALIBRATION, rubric, client, tmp_path_factory.mktemp("calibration"), options, force=True,
+                          jobs=len(notebooks))
+    return rubric, options, {r["submission"]["name"]: r for r in run.results}

@@ -64,33 +64,46 @@ def backend():
     b.close()
 
 
-def test_busy_slots_stay_dense_and_a_step_lists_its_sequences_in_id_order(backend):
+@pytest.fixture(scope="module")
+def tiny_backend():
+    """The generated tiny llama in process, four slots: for what is about slots and batches, not logits."""
+    from disaggregated_inference.backends import ModelSettings, create
+
+    from .conftest import tiny_model_settings
+
+    b = create(ModelSettings(**{**tiny_model_settings(), "n_ctx": 2048, "parallel": 4}))
+    b.load()
+    yield b
+    b.close()
+
+
+def test_busy_slots_stay_dense_and_a_step_lists_its_sequences_in_id_order(tiny_backend):
     """llama.cpp (a KV stream per slot) keeps a ubatch growing only while each next sequence id in the
     batch is the previous one plus 1: a step listing 3, 1, 0, 2 would run as several graph evaluations.
     Measured: 8 streams at ~75 tok/s instead of ~115 on every other burst before this ordering."""
     from disaggregated_inference.backends.base import Eval
 
-    with backend.sequence() as a, backend.sequence() as b, backend.sequence() as c:
+    with tiny_backend.sequence() as a, tiny_backend.sequence() as b, tiny_backend.sequence() as c:
         assert (a, b, c) == (0, 1, 2)
-    with backend.sequence() as first:
-        with backend.sequence() as second:
+    with tiny_backend.sequence() as first:
+        with tiny_backend.sequence() as second:
             pass
-        with backend.sequence() as again:  # the lowest free id again, whatever order they were freed in
+        with tiny_backend.sequence() as again:  # the lowest free id again, whatever order they were freed in
             assert (first, again) == (0, 1) and second == 1
     tokens = list(range(10, 30))
     seqs = []
     try:
-        seqs = [backend._acquire()[0] for _ in range(4)]
+        seqs = [tiny_backend._acquire()[0] for _ in range(4)]
         evals = [Eval(s, tokens[:1], 0) for s in (3, 1)] + [Eval(2, tokens, 0, logits=False), Eval(0, tokens[:1], 0)]
-        n = backend.evaluate(evals)
-        batch = backend._batch
+        n = tiny_backend.evaluate(evals)
+        batch = tiny_backend._batch
         order = [batch.seq_id[i][0] for i in range(n)]
         assert order == sorted(order) and n == 3 + len(tokens)  # the prompt chunk in its place, 2, between 1 and 3
         assert all(ev.complete for ev in evals)
     finally:
         for seq in seqs:
-            backend._release(seq)
-    assert backend._free == [3, 2, 1, 0]
+            tiny_backend._release(seq)
+    assert tiny_backend._free == [3, 2, 1, 0]
 
 
 def test_batching_moves_logits_within_the_stated_tolerance_and_never_mixes_sequences(backend):
@@ -298,26 +311,27 @@ def test_ignore_eos_generates_exactly_max_new_tokens_and_is_checked(http, qwen_d
     assert http.get(f"{qwen_decode}/health").status_code == 200
 
 
-def test_slots_never_leak_and_memory_stays_flat_over_200_mixed_requests(http, qwen_prefill, qwen_decode):
+def test_slots_never_leak_and_memory_stays_flat_over_200_mixed_requests(http, tiny_prefill, tiny_decode):
+    """On the tiny llamas' servers: what leaks or grows here is the server's, whatever the model."""
     def one(i: int) -> int:
         kind = i % 5
         if kind == 0:  # a handoff
-            pre = http.post(f"{qwen_prefill}/prefill", json={"prompt": f"Note {i}: sales rose."}).json()
-            return http.post(f"{qwen_decode}/decode", json={"kv": pre["kv"], "max_new_tokens": 4}).status_code
+            pre = http.post(f"{tiny_prefill}/prefill", json={"prompt": f"Note {i}: sales rose."}).json()
+            return http.post(f"{tiny_decode}/decode", json={"kv": pre["kv"], "max_new_tokens": 4}).status_code
         if kind == 1:  # a stream cut short by its client
-            resp = requests.post(f"{qwen_decode}/generate", json={"prompt": f"Count to {i}.", "max_new_tokens": 64,
+            resp = requests.post(f"{tiny_decode}/generate", json={"prompt": f"Count to {i}.", "max_new_tokens": 64,
                                                                   "stream": True}, stream=True, timeout=60)
             next(resp.iter_lines())
             resp.close()
             return 200
         if kind == 2:  # a bad request
-            return http.post(f"{qwen_decode}/generate", json={"prompt": "x", "max_new_tokens": -1}).status_code
+            return http.post(f"{tiny_decode}/generate", json={"prompt": "x", "max_new_tokens": -1}).status_code
         if kind == 3:  # a prompt too long for the context
-            return http.post(f"{qwen_decode}/generate", json={"prompt": "word " * 5000}).status_code
-        return http.post(f"{qwen_decode}/generate", json={"prompt": f"Say {i}.", "max_new_tokens": 4}).status_code
+            return http.post(f"{tiny_decode}/generate", json={"prompt": "word " * 5000}).status_code
+        return http.post(f"{tiny_decode}/generate", json={"prompt": f"Say {i}.", "max_new_tokens": 4}).status_code
 
     def rss() -> int:
-        return http.get(f"{qwen_decode}/health").json()["resources"]["process_rss_bytes"]
+        return http.get(f"{tiny_decode}/health").json()["resources"]["process_rss_bytes"]
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(one, range(50)))  # warm up: buffers, caches
@@ -326,9 +340,9 @@ def test_slots_never_leak_and_memory_stays_flat_over_200_mixed_requests(http, qw
     assert set(statuses) <= {200, 400}
     assert statuses.count(400) == 80
     deadline = time.time() + 20
-    while time.time() < deadline and http.get(f"{qwen_decode}/health").json()["slots"]["busy"]:
+    while time.time() < deadline and http.get(f"{tiny_decode}/health").json()["slots"]["busy"]:
         time.sleep(0.2)
-    slots = http.get(f"{qwen_decode}/health").json()["slots"]
+    slots = http.get(f"{tiny_decode}/health").json()["slots"]
     assert slots["busy"] == 0 and slots["free"] == slots["total"] and slots["queued"] == 0
     growth = rss() - before
     assert growth < 64 << 20, f"decode server RSS grew by {growth / 1e6:.0f} MB over 200 requests"

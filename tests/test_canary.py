@@ -120,6 +120,7 @@ def test_the_exact_tolerance_needs_the_same_thread_count_on_both_sides():
     assert policy.check(unnamed, y, "llama_cpp/cpu", exact=True, threads=2)["canary_tolerance"] == 0.5
 
 
+@pytest.mark.slow  # SmolLM2 in process, twice
 def test_a_handoff_between_cpu_contexts_of_different_thread_counts_passes_at_the_same_engine_tolerance():
     """Measured: ggml's CPU attention splits one query's cells over its threads past a few hundred
     cells, so a 301-token SmolLM2 state prefilled with 2 threads and continued with 1 gives a

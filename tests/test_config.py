@@ -83,25 +83,27 @@ def test_a_transformers_prefill_pairs_with_an_mlx_decode_server(tmp_path):
 
 
 def test_model_backend_is_checked(tmp_path):
-    data = {**SEEDS_SHAPE, "models": {"qwen": {"backend": "vllm"}, "gpt-oss": {}}}
+    data = {**SEEDS_SHAPE, "models": {"qwen": {"backend": "tensorrt"}, "gpt-oss": {}}}
     with pytest.raises(ConfigError, match=r"models\.qwen\.backend must be a registered backend \(llama_cpp, (mlx, )?"
-                                          r"ollama.*\), got 'vllm'"):
+                                          r"ollama.*vllm.*\), got 'tensorrt'"):
         config.load(write(tmp_path, data))
 
 
 def test_a_registered_plugin_backend_is_accepted(tmp_path, monkeypatch):
-    from disaggregated_inference import backends
+    from disaggregated_inference.backends import registry
 
-    monkeypatch.setitem(backends._REGISTRY, "vllm", "some_plugin.module:VllmBackend")
-    data = {**SEEDS_SHAPE, "models": {"qwen": {"backend": "vllm"}, "gpt-oss": {}}}
+    # a class that can be imported: the config checks a model's options against its engine's declarations
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setitem(registry._REGISTRY, "tensorrt", "tests.echo_engine:EchoBackend")
+    data = {**SEEDS_SHAPE, "models": {"qwen": {"backend": "tensorrt"}, "gpt-oss": {}}}
     cfg = config.load(write(tmp_path, data))
-    assert cfg.prefill_servers[0].settings["backend"] == "vllm"
+    assert cfg.prefill_servers[0].settings["backend"] == "tensorrt"
 
 
 def test_entry_point_backends_are_registered(monkeypatch):
     from importlib.metadata import EntryPoint
 
-    from disaggregated_inference import backends
+    from disaggregated_inference.backends import registry as backends
 
     found = [EntryPoint("mlx_plugin", "plugin.mlx:Backend", backends.ENTRY_POINT_GROUP)]
     monkeypatch.setattr(backends, "entry_points", lambda group: found if group == backends.ENTRY_POINT_GROUP else [])

@@ -17,7 +17,7 @@ from disaggregated_inference.ops import cli
 from disaggregated_inference.ops.doctor import PROMPT_LENGTHS, Doctor, format_report
 from disaggregated_inference.server.probe import MAX_PROBE_BYTES
 
-from .conftest import THREADS
+from .conftest import TINY_THREADS
 from .tiny_models import tiny_gguf
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def free_port() -> int:
 def cluster_dict(tmp_path_factory):
     from disaggregated_inference.ops.cluster import LocalCluster
 
-    model = {"backend": "llama_cpp", "model": str(tiny_gguf("qwen3moe")), "n_ctx": 1024, "n_threads": THREADS,
+    model = {"backend": "llama_cpp", "model": str(tiny_gguf("qwen3moe")), "n_ctx": 1024, "n_threads": TINY_THREADS,
              "flash_attn": True}
     config = {
         "models": {"qwen": {"aliases": ["qwen3-coder:30b"], **model}},

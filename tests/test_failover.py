@@ -1,7 +1,8 @@
 """The client survives failures of real server processes: failover, fallback, recompute, clear errors.
 
-A cluster of its own (two prefill servers and one decode server for SmolLM2) so
-that servers can be killed and restarted without disturbing other tests.
+A cluster of its own (two prefill servers and one decode server of the generated tiny llama: what is
+tested is the client's handling of dead servers, not a model's answer) so that servers can be killed
+and restarted without disturbing other tests.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 from disaggregated_inference.client import DisaggregatedClient, FallbackWarning
 from disaggregated_inference.errors import NoServerAvailable
 
-from .conftest import cluster_config_dict
+from .conftest import tiny_config_dict
+from .faults import freeze, thaw
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +26,7 @@ LONG_PROMPT = "Revenue by region and month, with returns and discounts noted. " 
 def small_cluster(tmp_path_factory):
     from disaggregated_inference.ops.cluster import LocalCluster
 
-    data = cluster_config_dict()
+    data = tiny_config_dict()
     data["models"] = {"qwen": data["models"]["qwen"]}
     data["prefill_servers"] = [
         {"name": "prefill-a", "host": "127.0.0.1", "port": 1, "model": "qwen"},
@@ -40,6 +42,7 @@ def small_cluster(tmp_path_factory):
 def client(small_cluster):
     """A client with fast timeouts; every server running before the test starts."""
     for proc in small_cluster.processes:
+        thaw(proc)  # a test that failed half-way may have left one frozen
         if proc.proc.poll() is not None:
             proc.restart()
     small_cluster.wait_healthy(timeout=120)
@@ -71,6 +74,9 @@ def test_prefill_server_killed_between_requests_fails_over(client, small_cluster
 
 
 def test_prefill_server_killed_during_a_request_fails_over(client, small_cluster):
+    """Both prefill servers are frozen, so that the request is surely still held by one of them when it is
+    killed (the tiny model would finish a prefill in milliseconds); the other one thaws at that moment."""
+    prefills = [small_cluster.process(name) for name in ("prefill-a", "prefill-b")]
     killed = []
 
     def kill_the_busy_prefill_server():
@@ -78,11 +84,15 @@ def test_prefill_server_killed_during_a_request_fails_over(client, small_cluster
         if busy:
             small_cluster.process(busy[0].entry.name).kill()
             killed.append(busy[0].entry.address)
+        for proc in prefills:
+            thaw(proc)
 
+    for proc in prefills:
+        freeze(proc)
     threading.Timer(0.8, kill_the_busy_prefill_server).start()
     started = time.monotonic()
     text, m = client.generate(model="qwen", prompt=LONG_PROMPT, max_tokens=4)
-    assert killed, "the long prompt should still have been in prefill after 0.8 s"
+    assert killed, "the request should still have been in prefill after 0.8 s"
     assert text and m["method"] == "kv_handoff"
     assert m["prefill_server"] != killed[0]
     assert time.monotonic() - started < 60

@@ -1,6 +1,7 @@
 """The gateway survives a prefill server killed mid-request: the answer arrives by failover or
 fallback, and its method header says which. A cluster of its own (two prefill servers, one
-decode server, the gateway in front), as tests/test_failover.py does."""
+decode server of the generated tiny llama, the gateway in front), as tests/test_failover.py does;
+the prefill servers are frozen while the request is sent, so that one surely holds it when it dies."""
 from __future__ import annotations
 
 import threading
@@ -10,7 +11,8 @@ import openai
 import pytest
 import requests
 
-from .conftest import cluster_config_dict
+from .conftest import tiny_config_dict
+from .faults import freeze, thaw
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +23,7 @@ LONG_PROMPT = "Revenue by region and month, with returns and discounts noted. " 
 def gw_cluster(tmp_path_factory):
     from disaggregated_inference.ops.cluster import LocalCluster
 
-    data = cluster_config_dict()
+    data = tiny_config_dict()
     data["models"] = {"qwen": data["models"]["qwen"]}
     data["prefill_servers"] = [
         {"name": "prefill-a", "host": "127.0.0.1", "port": 1, "model": "qwen"},
@@ -38,21 +40,29 @@ def gw_cluster(tmp_path_factory):
         yield cluster
 
 
+def _prefill_servers(cluster) -> list:
+    return [p for p in cluster.processes if p.entry.role == "prefill"]
+
+
 def _kill_the_busy_prefill_server(cluster, killed: list, also_the_other: bool = False):
-    """Ask the gateway which prefill server holds the request; kill it (and the other one)."""
+    """Ask the gateway which (frozen) prefill server holds the request; kill it (and the other one), and
+    thaw whatever is left."""
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not killed:
-        servers = requests.get(cluster.gateway.url + "/health", timeout=5).json()["servers"]
-        busy = [s["name"] for s in servers if s["role"] == "prefill" and s["outstanding"]]
-        if busy:
-            cluster.process(busy[0]).kill()
-            killed.append(cluster.process(busy[0]).entry.address)
-            if also_the_other:
-                for s in servers:
-                    if s["role"] == "prefill" and s["name"] != busy[0]:
-                        cluster.process(s["name"]).kill()
-            return
-        time.sleep(0.05)
+    try:
+        while time.monotonic() < deadline and not killed:
+            servers = requests.get(cluster.gateway.url + "/health", timeout=5).json()["servers"]
+            busy = [s["name"] for s in servers if s["role"] == "prefill" and s["outstanding"]]
+            if busy:
+                cluster.process(busy[0]).kill()
+                killed.append(cluster.process(busy[0]).entry.address)
+                if also_the_other:
+                    for proc in _prefill_servers(cluster):
+                        proc.kill()
+                return
+            time.sleep(0.05)
+    finally:
+        for proc in _prefill_servers(cluster):
+            thaw(proc)
 
 
 def _openai(cluster):
@@ -60,7 +70,8 @@ def _openai(cluster):
 
 
 def _all_running(cluster):
-    for proc in cluster.processes:  # a previous test killed some
+    for proc in cluster.processes:  # a previous test killed some (or failed with one frozen)
+        thaw(proc)
         if proc.proc.poll() is not None:
             proc.restart()
     cluster.wait_healthy(timeout=120)
@@ -75,6 +86,8 @@ def test_prefill_server_killed_mid_request_fails_over(gw_cluster, stream):
     _all_running(gw_cluster)
     killed: list = []
     killer = threading.Thread(target=_kill_the_busy_prefill_server, args=(gw_cluster, killed))
+    for proc in _prefill_servers(gw_cluster):
+        freeze(proc)
     killer.start()
     raw = _openai(gw_cluster).chat.completions.with_raw_response.create(
         model="qwen", messages=[{"role": "user", "content": LONG_PROMPT}], max_tokens=4, temperature=0,
@@ -93,6 +106,8 @@ def test_every_prefill_server_killed_mid_stream_falls_back(gw_cluster):
     _all_running(gw_cluster)
     killed: list = []
     killer = threading.Thread(target=_kill_the_busy_prefill_server, args=(gw_cluster, killed, True))
+    for proc in _prefill_servers(gw_cluster):
+        freeze(proc)
     killer.start()
     with requests.post(gw_cluster.gateway.url + "/api/generate", stream=True, timeout=120, json={
             "model": "qwen", "prompt": LONG_PROMPT, "options": {"temperature": 0, "num_predict": 4}}) as resp:

@@ -1,4 +1,6 @@
-"""The official ``ollama`` client (and plain HTTP, for Ollama's shapes) against a real gateway over the real cluster."""
+"""The official ``ollama`` client (and plain HTTP, for Ollama's shapes) against a real gateway over a real tiny_cluster.
+
+The cluster serves generated tiny llamas (``tiny_cluster``): the API's shapes are checked, not the answers."""
 from __future__ import annotations
 
 import json
@@ -15,8 +17,8 @@ GREEDY = {"temperature": 0, "num_predict": 12}
 
 
 @pytest.fixture(scope="module")
-def client(gateway):
-    return ollama.Client(host=gateway, timeout=120)
+def client(tiny_gateway):
+    return ollama.Client(host=tiny_gateway, timeout=120)
 
 
 def test_generate_has_ollamas_final_fields(client):
@@ -50,8 +52,8 @@ def test_streamed_chat(client):
     assert "".join(p.message.content for p in parts)
 
 
-def test_streaming_is_the_default_over_http(gateway):
-    with requests.post(gateway + "/api/generate", json={"model": "qwen", "prompt": "Hi", "options": GREEDY},
+def test_streaming_is_the_default_over_http(tiny_gateway):
+    with requests.post(tiny_gateway + "/api/generate", json={"model": "qwen", "prompt": "Hi", "options": GREEDY},
                        stream=True, timeout=120) as resp:
         assert resp.headers["Content-Type"].startswith("application/x-ndjson")
         assert resp.headers["X-Disagg-Method"] == "kv_handoff"
@@ -60,13 +62,13 @@ def test_streaming_is_the_default_over_http(gateway):
     assert lines[-1]["disagg"]["method"] == "kv_handoff" and lines[-1]["disagg"]["kv_bytes"] > 0
 
 
-def test_list_ps_show_version(client, gateway):
+def test_list_ps_show_version(client, tiny_gateway):
     names = {m.model for m in client.list().models}
     assert {"qwen", "qwen3-coder:30b", "gpt-oss"} <= names
     assert {m.model for m in client.ps().models} >= {"qwen", "gpt-oss"}
     shown = client.show("qwen3-coder")
     assert shown.modelinfo["disagg.model"] == "qwen"
-    assert requests.get(gateway + "/api/version", timeout=10).json()["version"]
+    assert requests.get(tiny_gateway + "/api/version", timeout=10).json()["version"]
 
 
 def test_format_with_a_schema(client):
@@ -83,7 +85,7 @@ def test_unknown_model_is_ollamas_404(client):
 
 @pytest.mark.parametrize("body, field", [({"context": [1, 2, 3]}, "context"), ({"images": ["aGk="]}, "images"),
                                          ({"options": {"mirostat": 2}}, "options.mirostat")])
-def test_what_cannot_be_honoured_is_a_400(gateway, body, field):
-    resp = requests.post(gateway + "/api/generate", json={"model": "qwen", "prompt": "hi", **body}, timeout=30)
+def test_what_cannot_be_honoured_is_a_400(tiny_gateway, body, field):
+    resp = requests.post(tiny_gateway + "/api/generate", json={"model": "qwen", "prompt": "hi", **body}, timeout=30)
     assert resp.status_code == 400
     assert field.split(".")[-1] in resp.json()["error"]

@@ -1,26 +1,23 @@
-"""Issue 18 item 5: calibration notebooks graded as a teacher would order them, on the real embedded cluster.
+"""Calibration notebooks graded as a teacher would order them, on the real embedded cluster.
 
-The unit part (no model) checks their evidence scores; the slow part grades them through the real servers and
-small packaged models twice: the order holds, the results are identical, and every feedback item a student
-would see is either a finding of the checks or model text that passed the quality checks.
+The unit part (no model) checks their evidence scores; the slow part grades them once through the real servers
+and small packaged models, as the grader's CLI does (several notebooks at once): the order holds, every number
+is traced, and every feedback item a student would see is either a finding of the checks or model text that
+passed the quality checks. That grading the same notebook again gives the same result is
+tests/test_grading_real.py's ``test_a_notebook_graded_again_gets_the_same_result``.
 """
-from pathlib import Path
-
 import pytest
 
-from disaggregated_inference import config as cluster_config
-from disaggregated_inference.client import DisaggregatedClient
-from disaggregated_inference.grading import GradingOptions, deterministic_part, grade_batch, load_rubric
+from disaggregated_inference.grading import load_rubric
 from disaggregated_inference.grading.analysis import instructions_of, plan_requests
 from disaggregated_inference.grading.evidence import check_rubric, collect_evidence
 from disaggregated_inference.grading.feedback import findings_for_student
 from disaggregated_inference.grading.notebook import load_submission
 from disaggregated_inference.grading.quality import NotebookText, item_problems, text_problems
 from disaggregated_inference.grading.scoring import evidence_score
-from tests.test_grading_real import patient
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-CALIBRATION = EXAMPLES / "notebooks" / "calibration"
+from .conftest import CALIBRATION, EXAMPLES
+
 ORDER = ["excellent", "decent", "weak", "wrong"]
 
 
@@ -48,17 +45,11 @@ def shown_items(result):
 
 
 @pytest.mark.slow
-def test_calibration_order_on_the_embedded_cluster_twice(cluster, rubric, tmp_path):
-    options = GradingOptions.for_cluster(cluster_config.coerce(cluster.config))
-    with DisaggregatedClient(patient(cluster.config), health_check=False) as client:
-        # one notebook at a time: the test cluster's decode servers have one slot each, and a second request
-        # waiting longer than the server's queue timeout on a slow machine would be refused (503)
-        runs = [grade_batch(CALIBRATION, rubric, client, tmp_path / f"run{i}", options, force=True, jobs=1)
-                for i in (1, 2)]
-    first, second = ([{r["submission"]["name"]: r for r in run.results}[n] for n in ORDER] for run in runs)
+def test_calibration_order_on_the_embedded_cluster(calibration_run):
+    rubric, options, results = calibration_run
+    first = [results[n] for n in ORDER]
     totals = [r["total"] for r in first]
     assert totals[0] > totals[1] > totals[2] > totals[3], totals
-    assert [deterministic_part(r) for r in first] == [deterministic_part(r) for r in second]
     for result in first:
         assert result["status"] in ("graded", "needs_review"), result["review_reasons"]
         for c in result["criteria"]:  # every number traced: the evidence's reason and the adjustment's

@@ -16,7 +16,7 @@ import requests
 
 from disaggregated_inference.kv import bundle
 from disaggregated_inference.kv import receive as handoff_module
-from disaggregated_inference.ops import launch
+from disaggregated_inference import tuning
 from disaggregated_inference.backends import ModelSettings, Prompt, create
 
 from .conftest import THREADS
@@ -153,7 +153,7 @@ def test_the_decode_server_keeps_its_receive_buffer_warm_for_the_next_handoff(ht
 
 def test_both_servers_run_with_large_copies_bypassing_the_cache(http, qwen_prefill, qwen_decode):
     # the cluster starts them with glibc's non-temporal threshold at the configured 256 KiB (launch.py)
-    expected = 256 << 10 if launch.glibc_on_x86() else None
+    expected = 256 << 10 if tuning.glibc_on_x86() else None
     for url in (qwen_prefill, qwen_decode):
         assert http.get(f"{url}/health").json()["non_temporal_copy_bytes"] == expected
 

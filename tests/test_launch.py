@@ -8,45 +8,46 @@ import sys
 import pytest
 
 from disaggregated_inference import config as cluster_config
+from disaggregated_inference import tuning
 from disaggregated_inference.ops import launch
 from disaggregated_inference.errors import ConfigError
 from disaggregated_inference.server.settings import ServerSettings, from_cluster
 
-SETTING = f"{launch.NON_TEMPORAL}=262144"
+SETTING = f"{tuning.NON_TEMPORAL}=262144"
 
 
 @pytest.fixture
 def glibc_x86(monkeypatch):
-    monkeypatch.setattr(launch, "glibc_on_x86", lambda: True)
+    monkeypatch.setattr(tuning, "glibc_on_x86", lambda: True)
 
 
 def test_the_copy_tunable_is_added_to_the_environment(glibc_x86):
-    env = launch.with_copy_tunable({"PATH": "/bin"}, 256 << 10)
+    env = tuning.with_copy_tunable({"PATH": "/bin"}, 256 << 10)
     assert env == {"PATH": "/bin", "GLIBC_TUNABLES": SETTING}
 
 
 def test_other_tunables_are_kept(glibc_x86):
-    env = launch.with_copy_tunable({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, 256 << 10)
+    env = tuning.with_copy_tunable({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, 256 << 10)
     assert env["GLIBC_TUNABLES"] == f"glibc.malloc.hugetlb=1:{SETTING}"
 
 
 def test_the_operators_own_threshold_wins(glibc_x86):
-    mine = {"GLIBC_TUNABLES": f"{launch.NON_TEMPORAL}=0x100000"}
-    assert launch.with_copy_tunable(mine, 256 << 10) == mine
+    mine = {"GLIBC_TUNABLES": f"{tuning.NON_TEMPORAL}=0x100000"}
+    assert tuning.with_copy_tunable(mine, 256 << 10) == mine
 
 
 def test_nothing_is_set_for_zero_or_off_glibc_x86(monkeypatch):
-    monkeypatch.setattr(launch, "glibc_on_x86", lambda: True)
-    assert launch.with_copy_tunable({}, 0) == {}
-    monkeypatch.setattr(launch, "glibc_on_x86", lambda: False)  # macOS, ARM, musl
-    assert launch.with_copy_tunable({}, 256 << 10) == {}
+    monkeypatch.setattr(tuning, "glibc_on_x86", lambda: True)
+    assert tuning.with_copy_tunable({}, 0) == {}
+    monkeypatch.setattr(tuning, "glibc_on_x86", lambda: False)  # macOS, ARM, musl
+    assert tuning.with_copy_tunable({}, 256 << 10) == {}
 
 
 def test_the_threshold_in_effect_is_read_back():
-    assert launch.copy_tunable_in_effect({"GLIBC_TUNABLES": f"glibc.malloc.hugetlb=1:{SETTING}"}) == 256 << 10
-    assert launch.copy_tunable_in_effect({"GLIBC_TUNABLES": f"{launch.NON_TEMPORAL}=0x40000"}) == 256 << 10
-    assert launch.copy_tunable_in_effect({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}) is None
-    assert launch.copy_tunable_in_effect({}) is None
+    assert tuning.copy_tunable_in_effect({"GLIBC_TUNABLES": f"glibc.malloc.hugetlb=1:{SETTING}"}) == 256 << 10
+    assert tuning.copy_tunable_in_effect({"GLIBC_TUNABLES": f"{tuning.NON_TEMPORAL}=0x40000"}) == 256 << 10
+    assert tuning.copy_tunable_in_effect({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}) is None
+    assert tuning.copy_tunable_in_effect({}) is None
 
 
 def _dynamic_loader() -> str | None:
@@ -58,17 +59,17 @@ def _dynamic_loader() -> str | None:
     return None
 
 
-@pytest.mark.skipif(not launch.glibc_on_x86(), reason="the tunable exists in glibc on x86-64 only")
+@pytest.mark.skipif(not tuning.glibc_on_x86(), reason="the tunable exists in glibc on x86-64 only")
 def test_glibc_takes_the_threshold_from_the_environment_we_build():
     """The dynamic loader itself reports the tunable's value for a process started with our environment."""
     loader = _dynamic_loader()
     assert loader, "a glibc x86-64 Python maps ld-linux-x86-64.so"
-    env = launch.with_copy_tunable({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, 256 << 10)
+    env = tuning.with_copy_tunable({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, 256 << 10)
     out = subprocess.run([loader, "--list-tunables"], env=env, capture_output=True, text=True, check=True).stdout
-    line = next(item for item in out.splitlines() if item.startswith(launch.NON_TEMPORAL + ":"))
+    line = next(item for item in out.splitlines() if item.startswith(tuning.NON_TEMPORAL + ":"))
     assert line.split()[1] == hex(256 << 10)
     default = subprocess.run([loader, "--list-tunables"], env={}, capture_output=True, text=True, check=True).stdout
-    assert f"{launch.NON_TEMPORAL}: {hex(256 << 10)} " not in default  # glibc's own is sized from the L3 cache
+    assert f"{tuning.NON_TEMPORAL}: {hex(256 << 10)} " not in default  # glibc's own is sized from the L3 cache
 
 
 def test_the_server_command_runs_gunicorn_with_the_settings(glibc_x86):
@@ -78,7 +79,7 @@ def test_the_server_command_runs_gunicorn_with_the_settings(glibc_x86):
     assert env["HOME"] == "/home/x" and env["DISAGG_BIND"] == "127.0.0.1:9001"
     assert env["DISAGG_PROC_NAME"] == "disagg-decode-a"
     assert json.loads(env["DISAGG_SERVER_SETTINGS"])["role"] == "decode"
-    assert env["GLIBC_TUNABLES"] == f"{launch.NON_TEMPORAL}={1 << 20}"
+    assert env["GLIBC_TUNABLES"] == f"{tuning.NON_TEMPORAL}={1 << 20}"
 
 
 def _config(**server):
@@ -164,7 +165,7 @@ def test_the_server_command_sets_the_wait_policy_and_the_operators_own_wins():
     assert launch.server_command(sleep, "127.0.0.1:9001", own)[1]["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
-@pytest.mark.parametrize("library", ["llama_cpp", "torch"])
+@pytest.mark.parametrize("library", ["llama_cpp", pytest.param("torch", marks=pytest.mark.slow)])  # torch: ~8 s to load
 @pytest.mark.parametrize("policy, spins", [("sleep", False), ("spin", True)])
 def test_openmp_reads_the_policy_from_the_environment_we_build(policy, spins, library):
     """libgomp reads its settings when llama.cpp (or torch, with its own libgomp) loads: ask it what it

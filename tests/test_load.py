@@ -1,4 +1,4 @@
-"""Concurrent load on the local cluster: every request answered, none lost or duplicated, leases freed."""
+"""Concurrent load on the local tiny_cluster: every request answered, none lost or duplicated, leases freed."""
 from __future__ import annotations
 
 import re
@@ -21,12 +21,12 @@ def decode_ok_count(http, url) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def test_hundred_requests_from_eight_threads_across_both_models(cluster, urls, http):
-    decode_urls = [urls["local-decode-qwen"], urls["local-decode-gpt-oss"]]
+def test_hundred_requests_from_eight_threads_across_both_models(tiny_cluster, tiny_urls, http):
+    decode_urls = [tiny_urls["local-decode-qwen"], tiny_urls["local-decode-gpt-oss"]]
     before = sum(decode_ok_count(http, u) for u in decode_urls)
     jobs = [{"model": ("qwen3-coder:30b", "gpt-oss:120b")[i % 2], "prompt": f"Request {i}: say OK.",
              "max_tokens": 3, "seed": i} for i in range(N_REQUESTS)]
-    with DisaggregatedClient(cluster.config, health_check=False) as client:
+    with DisaggregatedClient(tiny_cluster.config, health_check=False) as client:
         results, combined = client.generate_many(jobs, max_workers=N_THREADS)
         history = list(client.history)
 
@@ -40,5 +40,5 @@ def test_hundred_requests_from_eight_threads_across_both_models(cluster, urls, h
     # none duplicated: the decode servers answered exactly one successful /decode per request
     assert sum(decode_ok_count(http, u) for u in decode_urls) - before == N_REQUESTS
     for name in ("local-prefill-qwen", "local-prefill-gpt-oss"):
-        assert http.get(f"{urls[name]}/health").json()["leases"]["held"] == 0
+        assert http.get(f"{tiny_urls[name]}/health").json()["leases"]["held"] == 0
     assert combined["requests"] == N_REQUESTS and combined["failed"] == 0

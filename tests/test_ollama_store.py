@@ -21,6 +21,9 @@ from disaggregated_inference.backends import ollama_store
 from disaggregated_inference.errors import ModelNotFound
 from disaggregated_inference.backends.gguf import resolve_gguf
 
+from .conftest import TINY_THREADS
+from .tiny_models import tiny_gguf
+
 MANIFEST_TYPE = "application/vnd.docker.distribution.manifest.v2+json"
 TEMPLATE = "{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}<|im_start|>user\n{{ .Prompt }}"
 
@@ -66,7 +69,8 @@ class Store:
 
 @pytest.fixture(scope="module")
 def gguf() -> tuple[Path, str]:
-    path = resolve_gguf("smollm2")
+    """A llama GGUF with SmolLM2's vocabulary and chat template (the generated tiny one: quick to load)."""
+    path = tiny_gguf("llama")
     return path, sha256_file(path)
 
 
@@ -202,7 +206,8 @@ def test_a_real_kv_handoff_on_the_gguf_ollama_pulled(store, gguf, tmp_path):
 
     _, hexdigest = gguf
     config = {
-        "models": {"smol": {"backend": "llama_cpp", "model": "ollama:smollm2-test", "n_ctx": 2048, "n_threads": 2}},
+        "models": {"smol": {"backend": "llama_cpp", "model": "ollama:smollm2-test", "n_ctx": 2048,
+                            "n_threads": TINY_THREADS}},
         "prefill_servers": [{"name": "ollama-prefill", "host": "127.0.0.1", "port": 1, "model": "smol"}],
         "decode_servers": [{"name": "ollama-decode", "host": "127.0.0.1", "port": 2, "model": "smol"}],
     }

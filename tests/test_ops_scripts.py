@@ -21,7 +21,7 @@ import pytest
 import requests
 
 from disaggregated_inference import config as cluster_config
-from disaggregated_inference.ops import launch
+from disaggregated_inference import tuning
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -363,18 +363,18 @@ def test_test_system_fails_naming_the_server_on_a_closed_port(tmp_path):
 
 
 @pytest.fixture
-def cluster_file(cluster, tmp_path) -> Path:
-    return write_config(tmp_path, cluster.config, "cluster.json")
+def cluster_file(tiny_cluster, tmp_path) -> Path:
+    return write_config(tmp_path, tiny_cluster.config, "tiny_cluster.json")
 
 
 @pytest.mark.slow
-def test_check_status_reports_every_server_of_the_running_cluster(cluster, cluster_file):
+def test_check_status_reports_every_server_of_the_running_cluster(tiny_cluster, cluster_file):
     result = run("check_status.py", "--config", cluster_file)
     assert result.returncode == 0, result.stdout + result.stderr
-    for proc in cluster.processes:
+    for proc in tiny_cluster.processes:
         assert proc.entry.name in result.stdout and proc.url in result.stdout
     rows = json.loads(run("check_status.py", "--config", cluster_file, "--json").stdout)
-    assert {r["name"] for r in rows} == {p.entry.name for p in cluster.processes}
+    assert {r["name"] for r in rows} == {p.entry.name for p in tiny_cluster.processes}
     for row in rows:
         assert row["status"] == "up" and row["loaded"] is True and row["backend"] == "llama_cpp"
         assert row["handoff"] == "llama_seq_state"
@@ -383,8 +383,8 @@ def test_check_status_reports_every_server_of_the_running_cluster(cluster, clust
 
 
 @pytest.mark.slow
-def test_check_status_marks_only_the_dead_server_down(cluster, tmp_path):
-    data = cluster.config
+def test_check_status_marks_only_the_dead_server_down(tiny_cluster, tmp_path):
+    data = tiny_cluster.config
     data["decode_servers"].append({"name": "ghost-decode", "host": "127.0.0.1", "port": closed_port(),
                                    "model": "qwen"})
     result = run("check_status.py", "--config", write_config(tmp_path, data))
@@ -395,7 +395,7 @@ def test_check_status_marks_only_the_dead_server_down(cluster, tmp_path):
 
 
 @pytest.mark.slow
-def test_test_system_passes_on_the_running_cluster_with_a_real_kv_handoff(cluster, cluster_file):
+def test_test_system_passes_on_the_running_cluster_with_a_real_kv_handoff(tiny_cluster, cluster_file):
     result = run("test_system.py", "--config", cluster_file, "--max-tokens", "8", "--json", timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
@@ -438,7 +438,7 @@ def test_start_check_and_stop_one_local_server(tmp_path):
         assert "ops-test-prefill" in status.stdout and " up " in status.stdout
         # started by `disagg serve`, as the systemd unit does, with glibc's copy threshold (launch.py)
         health = requests.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
-        assert health["non_temporal_copy_bytes"] == (256 << 10 if launch.glibc_on_x86() else None)
+        assert health["non_temporal_copy_bytes"] == (256 << 10 if tuning.glibc_on_x86() else None)
 
         again = run("start_prefill_servers.sh", "--config", cfg, "--run-dir", run_dir)
         assert again.returncode == 0 and f"already running (pid {pid})" in again.stderr

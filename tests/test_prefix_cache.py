@@ -47,6 +47,7 @@ def greedy(b, p: Prompt, n: int = 12):
     return "".join(e.piece or "" for e in events if e.piece), events[-1].metrics
 
 
+@pytest.mark.slow  # the packaged models in process
 @pytest.mark.parametrize("repeats", [6, 20])  # one chunk, and two (n_batch 512)
 def test_a_shared_start_is_not_evaluated_again_and_the_state_is_bit_identical(warm, cold, repeats):
     first, second = prompt(repeats, "df.groupby('region').sum()"), prompt(repeats, "sales.plot(kind='bar')")
@@ -61,6 +62,7 @@ def test_a_shared_start_is_not_evaluated_again_and_the_state_is_bit_identical(wa
     assert hit.meta["canary"] == ref.meta["canary"]
 
 
+@pytest.mark.slow  # the packaged models in process
 def test_a_short_last_chunk_is_evaluated_whole_and_the_state_is_still_bit_identical(warm, cold):
     """A prompt whose cache-less evaluation ends in a chunk of fewer than 64 rows (computed by ggml's other
     path): with the cache that chunk is evaluated whole again, and the rows before it in chunks of 64+."""
@@ -93,6 +95,7 @@ def test_the_reuse_keeps_every_row_in_a_chunk_of_its_cache_less_kind(shared, m, 
     assert _aligned_reuse(min(shared, m - PREFIX_MIN_TOKENS), m, 512) == reuse
 
 
+@pytest.mark.slow  # the packaged models in process
 def test_generate_reuses_a_prefix_and_gives_the_same_greedy_text(warm, cold):
     p = prompt(8, "print(df.describe())")
     warm.run(warm.prefill(prompt(8, "df.head()")))
@@ -104,6 +107,7 @@ def test_generate_reuses_a_prefix_and_gives_the_same_greedy_text(warm, cold):
     assert ref["prompt_tokens_cached"] == 0 and text == expected
 
 
+@pytest.mark.slow  # the packaged models in process
 def test_a_short_shared_start_takes_the_lowest_free_slot_and_evaluates_everything():
     b = backend(True, parallel=3)
     short = Prompt(text="Something else entirely, with few tokens in common.")
@@ -122,6 +126,7 @@ def test_a_short_shared_start_takes_the_lowest_free_slot_and_evaluates_everythin
         b.close()
 
 
+@pytest.mark.slow  # the packaged models in process
 def test_a_request_that_fails_leaves_nothing_behind(warm):
     p = prompt(6, "df.dropna()")
     warm.run(warm.prefill(p))
@@ -134,6 +139,7 @@ def test_a_request_that_fails_leaves_nothing_behind(warm):
     assert len(warm._free) == warm.slots
 
 
+@pytest.mark.slow  # the packaged models in process
 def test_off_by_config_and_on_sliding_window_models():
     gemma = create(ModelSettings(model="gemma3-270m", n_threads=THREADS, n_ctx=1024, parallel=2))
     gemma.load()

@@ -19,7 +19,7 @@ import pytest
 
 from disaggregated_inference.backends import ModelSettings, Prompt, Received, create, ollama_store
 
-from .conftest import THREADS
+from .conftest import TINY_THREADS
 from .tiny_models import GPT_OSS, PRODUCTION, QWEN3MOE, tiny_gguf, write_ollama_store
 
 pytestmark = pytest.mark.slow
@@ -50,7 +50,7 @@ def servers(store, tmp_path_factory):
     models = {"qwen": "qwen3-coder:30b", "gpt-oss": "gpt-oss:120b"}
     config = {
         "models": {key: {"aliases": [name], "backend": "llama_cpp", "model": f"ollama:{name}", "n_ctx": N_CTX,
-                         "n_threads": THREADS, "flash_attn": True} for key, name in models.items()},
+                         "n_threads": TINY_THREADS, "flash_attn": True} for key, name in models.items()},
         "prefill_servers": [{"name": f"prefill-{k}", "host": "127.0.0.1", "port": 18000 + i, "model": k}
                             for i, k in enumerate(models)],  # ports replaced by free ones
         "decode_servers": [{"name": f"decode-{k}", "host": "127.0.0.1", "port": 18010 + i, "model": k}
@@ -134,7 +134,7 @@ def test_fingerprint_names_the_experts(http, servers):
 
 @pytest.fixture(scope="module")
 def gpt_oss_pair():
-    settings = ModelSettings(model=str(tiny_gguf("gpt-oss")), n_threads=THREADS, n_ctx=N_CTX, flash_attn=True)
+    settings = ModelSettings(model=str(tiny_gguf("gpt-oss")), n_threads=TINY_THREADS, n_ctx=N_CTX, flash_attn=True)
     exporter, importer = create(settings), create(settings)
     exporter.load()
     importer.load()

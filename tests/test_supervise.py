@@ -1,5 +1,5 @@
 """Issue 12 §1: under ``disagg up`` a server that dies is restarted (with backoff, said on stderr),
-not the end of the cluster. A real one-server LocalCluster; its gunicorn is killed."""
+not the end of the cluster. A real one-server LocalCluster (the generated tiny llama); its gunicorn is killed."""
 from __future__ import annotations
 
 import threading
@@ -10,7 +10,7 @@ import requests
 
 from disaggregated_inference.ops.supervise import Supervisor
 
-from .conftest import cluster_config_dict
+from .conftest import tiny_config_dict
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def test_a_killed_server_is_restarted_with_backoff(tmp_path):
     from disaggregated_inference.ops.cluster import LocalCluster
 
-    data = cluster_config_dict()
+    data = tiny_config_dict()
     data["models"] = {"qwen": data["models"]["qwen"]}
     data["prefill_servers"] = []
     data["decode_servers"] = [{"name": "decode-only", "host": "127.0.0.1", "port": 1, "model": "qwen"}]

@@ -3,17 +3,23 @@
 FakeGradingClient returns canned JSON; the pages, the grading flow and the dashboard are what is tested.
 """
 import json
+import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from disaggregated_inference.grading import grade_batch, load_rubric
 from disaggregated_inference.grading.fakes import FakeGradingClient
+from disaggregated_inference.observe.sampler import Sweep
 from disaggregated_inference.webui import launcher, state
 
 WEBUI = Path(state.__file__).parent
-APP, DASHBOARD = str(WEBUI / "app.py"), str(WEBUI / "pages" / "1_Dashboard.py")
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "examples" / "notebooks"
+APP, DASHBOARD, NAVIGATION = (str(WEBUI / name) for name in ("app.py", "dashboard.py", "navigation.py"))
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+NOTEBOOKS = EXAMPLES / "notebooks"
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +44,9 @@ def test_grade_the_examples(out_dir):
     assert len(fake.rounds) == 3  # the invalid notebook never reaches the models
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Submissions"] == "4" and metrics["Needs review"] == "1"
-    assert metrics["Requests in flight (mean)"] == "1.67" and metrics["Servers healthy"] == "4/4"
+    summary = json.loads((out_dir / "summary.json").read_text())  # request time over this run's wall time
+    assert metrics["Requests in flight (mean)"] == f"{summary['inference']['overlap']:.2f}"
+    assert metrics["Servers healthy"] == "4/4"
     table = at.dataframe[0].value
     assert list(table["submission"]) == ["errors_sales_analysis", "good_sales_analysis",
                                          "incomplete_sales_analysis", "not_a_notebook"]
@@ -83,6 +91,32 @@ def test_upload_notebooks():
     assert len(fake.rounds) == 1
 
 
+def test_a_grading_stopped_by_an_earlier_run_of_the_page_is_shown(out_dir):
+    """Stop (test_webui_browser.py presses it) makes Streamlit start a new run of the page and stop the one
+    grading; that run leaves its outcome in the session's GradingJob, which the new run shows."""
+    stop = threading.Event()
+
+    def stop_after_the_first(p):
+        if p.done == 1:
+            stop.set()
+
+    batch = grade_batch(sorted(NOTEBOOKS.glob("*.ipynb")), load_rubric(EXAMPLES / "rubric.yaml"),
+                        FakeGradingClient(), out_dir, progress=stop_after_the_first, stop=stop)
+    assert batch.stopped and len(batch.graded) == 1
+    job = SimpleNamespace(stop=threading.Event(), done=threading.Event(), error=None, batch={
+        "results": batch.results, "summary": batch.summary, "out_dir": str(out_dir), "graded": batch.graded,
+        "resumed": [], "not_graded": batch.not_graded, "stopped": True})
+    job.done.set()
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.session_state["client"] = FakeGradingClient()
+    at.session_state["grading"] = job
+    at.run()
+    assert not at.exception and job.stop.is_set() and "grading" not in at.session_state
+    assert at.warning[0].value.startswith("Grading was stopped: 1 graded, 3 not graded (good_sales_analysis, "
+                                          "incomplete_sales_analysis, not_a_notebook). Press Grade")
+    assert {m.label: m.value for m in at.metric}["Submissions"] == "1"
+
+
 def test_invalid_rubric_is_reported():
     at = grade_page(FakeGradingClient())
     at.selectbox(key="rubric_choice").select("Upload a rubric file...").run()
@@ -99,30 +133,126 @@ def test_bad_cluster_config_is_reported(tmp_path, monkeypatch):
     assert "unknown key config.oops" in at.error[0].value
 
 
+class FakeSampler:
+    """The sampler's surface the pages use, over sweeps of real ``ServerMetrics`` output (tests/test_observe.py)."""
+
+    def __init__(self, sweeps, names=None):
+        self._sweeps, self.names = sweeps, names or {}
+
+    def sweeps(self):
+        return list(self._sweeps)
+
+    def latest(self):
+        return self._sweeps[-1] if self._sweeps else None
+
+    def baseline(self, window):
+        return self._sweeps[0] if len(self._sweeps) > 1 else None
+
+
+def server_sweeps():
+    from disaggregated_inference.server.metrics import ServerMetrics
+
+    from .test_observe import owner, reading
+
+    readers = {}
+    for role in ("prefill", "decode"):
+        for model in ("qwen", "gpt-oss"):
+            m = ServerMetrics(role, name=f"fake-{role}-{model}", model=model)
+            m.watch_owner(owner(busy=1 if role == "decode" else 0))
+            readers[(role, model)] = m
+
+    def sweep(at):
+        return Sweep(at, [reading(f"fake-{role}-{model}", role, model, m, at) for (role, model), m in readers.items()])
+
+    now = time.time()
+    first = sweep(now - 10)
+    dec = readers[("decode", "qwen")]
+    dec.observe_decode({"decode_time": 0.75, "decode_speed": 50.0, "method": "kv_handoff", "completion_tokens": 40,
+                        "canary": "passed"})
+    dec.observe_canary_failure(0.9)
+    dec.observe_pull("http://fake-prefill-qwen/kv/x", 4_000_000, 0.004)
+    dec.observe_probe("http://fake-prefill-qwen/kv/probe", {"bytes_per_second": 1.25e9})
+    return [first, sweep(now)]
+
+
+def chart_frames(at) -> dict:
+    """{chart title: its data as a DataFrame} of every Altair chart on the page."""
+    import pyarrow as pa
+
+    frames = {}
+    for chart in at.get("vega_lite_chart"):
+        spec = json.loads(chart.proto.spec)
+        data = chart.proto.datasets[0].data.data if chart.proto.datasets else chart.proto.data.data
+        frames[spec["title"]] = pa.ipc.open_stream(data).read_pandas()
+    return frames
+
+
 def test_dashboard():
     fake = FakeGradingClient()
     fake.generate(model="qwen", prompt="p", json_schema={"properties": {"scores": {"properties": {}}}})
     fake.generate(model="gpt-oss", prompt="p")
+    fake.history.append({"time": time.time(), "model": "gpt-oss", "error": "upstream_timeout",
+                         "error_message": "timed out after 180s", "total_time": 180.0})
     at = AppTest.from_file(DASHBOARD, default_timeout=60)
     at.session_state["client"] = fake
+    at.session_state["sampler"] = FakeSampler(server_sweeps(), {"fake-prefill-qwen": "fake-prefill-qwen"})
     at.session_state["batch"] = {"summary": {"inference": {"overlap": 1.8, "wall_time": 10.0,
                                                            "request_time": 18.0, "prefill_time": 3.0,
                                                            "decode_time": 15.0}}}
     at.run()
     assert not at.exception
-    metrics = {m.label: m.value for m in at.metric}
-    assert metrics["Healthy"] == "4/4" and metrics["Requests in flight, mean (last grading)"] == "1.80"
-    assert metrics["Request time (sum)"] == "18.00 s" and not any("speedup" in label.lower() for label in metrics)
-    per_model = [(m.label, m.value) for m in at.metric if m.label in ("Prefill (last)", "Decode (last)")]
-    assert per_model == [("Prefill (last)", "0.50 s"), ("Decode (last)", "1.00 s"),   # gpt-oss
-                         ("Prefill (last)", "0.25 s"), ("Decode (last)", "0.75 s")]   # qwen
-    servers, requests = at.dataframe[0].value, at.dataframe[1].value
+    metrics = [(m.label, m.value) for m in at.metric]
+    assert ("Servers healthy", "4/4") in metrics  # the sidebar, from the sampler's sweep
+    assert ("Requests in flight, mean (last grading)", "1.80") in metrics
+    assert not any("speedup" in label.lower() for label, _ in metrics)
+    per_model = [(label, value) for label, value in metrics if label in ("Prefill p50", "Decode p50")]
+    assert per_model == [("Prefill p50", "500 ms"), ("Decode p50", "1.00 s"),   # gpt-oss
+                         ("Prefill p50", "250 ms"), ("Decode p50", "750 ms")]   # qwen
+    assert ("Canaries passed", "1") in metrics and ("Handoffs refused", "1") in metrics
+    assert any("1 requests answered, **1 failed**" in c.value for c in at.caption)
+
+    charts = chart_frames(at)
+    times = charts["Prefill and decode time per request (s)"]
+    assert sorted(zip(times["model"], times["phase"], times["seconds"])) == [
+        ("gpt-oss", "decode", 1.0), ("gpt-oss", "prefill", 0.5), ("qwen", "decode", 0.75), ("qwen", "prefill", 0.25)]
+    throughput = charts["Decode tokens/s, all decode servers (30 s average)"]
+    assert dict(zip(throughput["model"], throughput["tokens_per_second"])) == {"gpt-oss": 0.0, "qwen": 4.0,
+                                                                               "all models": 4.0}
+    slots = charts["Slots busy and queue depth per server"]
+    assert set(slots["server"]) == {"fake-prefill-qwen", "fake-prefill-gpt-oss", "fake-decode-qwen",
+                                    "fake-decode-gpt-oss"} and slots["requests"].max() == 1
+    mix = charts["How requests were served"]
+    served = {(v, m): n for v, m, n in zip(mix["view"], mix["method"], mix["requests"]) if n}
+    # the fake client calls its requests' method "disaggregated": shown as it is, beside the four kinds
+    assert served == {("this interface", "disaggregated"): 2, ("decode servers (every client)", "kv_handoff"): 1}
+    link = charts["KV link throughput against capacity (Gb/s)"]
+    assert dict(zip(link["figure"], link["gbps"])) == {"pulls, every client": 8.0, "capacity (doctor's probe)": 10.0}
+
+    servers, requests = at.dataframe[-2].value, at.dataframe[-1].value
     assert len(servers) == 4 and set(servers["role"]) == {"prefill", "decode"}
-    assert list(requests["model"]) == ["gpt-oss", "qwen"]  # newest first
-    assert list(requests["method"]) == ["disaggregated", "disaggregated"]
-    assert list(requests["decode tok/s"]) == [50.0, 50.0]
-    at.button(key="check").click().run()
-    assert fake.health_checks == 1
+    assert list(servers["state"]) == ["● healthy"] * 4  # no emoji: a glyph every font has
+    assert list(requests["model"]) == ["gpt-oss", "gpt-oss", "qwen"]  # newest first
+    assert list(requests["result"]) == ["✕ upstream_timeout", "✓ ok", "✓ ok"]
+
+
+def test_dashboard_without_a_sampler_shows_the_client_s_view():
+    fake = FakeGradingClient()
+    at = AppTest.from_file(DASHBOARD, default_timeout=60)
+    at.session_state["client"] = fake
+    at.run()
+    assert not at.exception
+    assert ("Servers healthy", "4/4") in [(m.label, m.value) for m in at.metric]
+    assert "No requests from this interface" in at.info[0].value
+    assert len(at.dataframe[-1].value) == 4  # the servers, as the client sees them
+
+
+def test_the_pages_by_name():
+    at = AppTest.from_file(NAVIGATION, default_timeout=60)
+    at.session_state["client"] = FakeGradingClient()
+    at.run()
+    assert not at.exception and at.title[0].value == "Business analytics notebook grader"
+    at.switch_page(DASHBOARD).run()
+    assert not at.exception and at.title[0].value == "Disaggregated inference: cluster dashboard"
 
 
 def test_launcher_runs_streamlit_on_loopback(monkeypatch, tmp_path):
@@ -140,8 +270,9 @@ def test_launcher_runs_streamlit_on_loopback(monkeypatch, tmp_path):
     monkeypatch.setattr(launcher.subprocess, "Popen", FakePopen)
     assert launcher.main(["--config", str(config), "--out", str(tmp_path / "o")]) == 0
     cmd = started["cmd"]
-    assert cmd[1:4] == ["-m", "streamlit", "run"] and cmd[4] == APP
+    assert cmd[1:4] == ["-m", "streamlit", "run"] and cmd[4] == NAVIGATION
     assert cmd[cmd.index("--server.address") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--client.toolbarMode") + 1] == "viewer"  # no Deploy menu
     assert int(cmd[cmd.index("--server.port") + 1]) > 0
     assert started["env"][state.CONFIG_ENV] == str(config.resolve())
     assert started["env"][state.OUT_ENV] == str(tmp_path / "o")

@@ -12,54 +12,103 @@ Tokenization is part of ``prefill``: Ollama has no public tokenizer endpoint, so
 a separate ``tokenize`` verb would be one that backend could not fill.
 
 What a backend hands over is declared by ``handoff_kind``: ``llama_seq_state``
-(the KV cache itself moves) or ``token_ids`` (only the ids move and the decode
-side recomputes the prompt). Metrics report which one happened.
+(the KV cache itself moves), ``neutral_kv`` (the K/V arrays in an engine-neutral
+layout, kv/neutral.py) or ``token_ids`` (only the ids move and the decode side
+recomputes the prompt). Metrics report which one happened.
+
+An engine's settings are its ``Settings`` class: ``ModelSettings`` (what every
+engine shares) extended with the engine's own options (options.py).
+``ModelSettings(backend=NAME, ...)`` makes the settings of the engine registered
+as NAME, so one call takes any engine's options.
+
+A backend that batches (llama.cpp) is a ``BatchedBackend``: the server's owner
+thread drives its requests as generators and steps them together (``evaluate``).
+
+Engines that render chat prompts themselves from a GGUF (llama.cpp, MLX,
+transformers) read them and their answers through the model's chat format
+(``chat/``): their settings are ``ChatSettings`` (the ``chat_format`` option),
+and a generation yields the answer, the reasoning and the tool calls as
+separate ``Event``s.
 """
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Iterator
 
+from .. import chat
 from ..kv.canary import CanaryPolicy
 from ..kv.receive import Received  # noqa: F401  (part of the interface: what decode() gets)
+from . import registry
+from .options import option
+
+DEFAULT_BACKEND = "llama_cpp"
 
 
 @dataclass(frozen=True)
 class ModelSettings:
-    backend: str = "llama_cpp"
-    model: str = "smollm2"
-    name: str = ""  # the public name (config key), e.g. "qwen"
-    n_ctx: int = 4096
-    n_threads: int | None = None
-    n_batch: int = 512
-    n_gpu_layers: int = 0
-    flash_attn: bool = True
-    parallel: int = 4  # requests served at once (llama.cpp: sequences of one context, each its own KV stream)
-    prefix_cache: bool = True  # llama.cpp: a free slot keeps its last prompt's KV for a prompt that starts the same
-    type_k: str = "f16"
-    type_v: str = "f16"
-    ollama_host: str | None = None
-    ollama_timeout: float = 300.0
-    keep_alive: str | int = "30m"
-    ollama_options: dict = field(default_factory=dict)
-    device: str = "auto"  # transformers: auto (CUDA when torch sees it, else cpu) | cpu | cuda | cuda:N | mps
+    """The settings every engine shares; an engine's ``Settings`` subclass adds its own options.
+
+    ``ModelSettings(backend=NAME, **options)`` makes an instance of the ``Settings`` of the engine
+    registered as NAME (plain ``ModelSettings`` for a name no engine is registered under), so
+    an option of that engine is an attribute like the shared ones: ``settings.flash_attn``.
+    """
+
+    backend: str = option(DEFAULT_BACKEND, "the engine: llama_cpp, ollama, mlx, transformers, vllm or a plugin's "
+                                                  "name")
+    model: str = option("smollm2", "what the engine loads: smollm2, gemma3-270m, a GGUF path, ollama:NAME (a GGUF "
+                                   "Ollama pulled), or the model name the ollama backend asks its daemon for")
+    name: str = ""  # the public name (the config's key), e.g. "qwen"; no option: the config sets it
+    n_ctx: int = option(4096, "context tokens per request", low=1)
+    n_threads: int | None = option(None, "CPU threads the engine computes with (unset: its own default; engines "
+                                         "that compute elsewhere ignore it)", low=1)
+    parallel: int = option(4, "requests served at once (llama.cpp: slots batched together each step; vLLM: its "
+                              "max_num_seqs; Ollama: requests in flight; mlx and transformers serve one at a time)",
+                           low=1)
+
+    def __new__(cls, *args, **kwargs):
+        if cls is ModelSettings:
+            cls = settings_class(kwargs.get("backend", args[0] if args else DEFAULT_BACKEND))
+        return object.__new__(cls)
+
+    def __getnewargs_ex__(self):  # a copy or an unpickled one is of the same engine's class
+        return (), {"backend": self.backend}
 
     @classmethod
     def from_dict(cls, data: dict, name: str = "") -> "ModelSettings":
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        """The settings of a config entry: the keys its engine takes (others, such as ``aliases``, are left)."""
+        settings_cls = settings_class(data.get("backend", DEFAULT_BACKEND))
+        known = {k: v for k, v in data.items() if k in settings_cls.__dataclass_fields__}
         known.setdefault("name", name)
-        return cls(**known)
+        return settings_cls(**known)
+
+
+@dataclass(frozen=True)
+class ChatSettings(ModelSettings):
+    """The settings of an engine that renders chat prompts itself and reads its answers by the chat format."""
+
+    chat_format: str = option("auto", "how conversations are written and answers read (chat/): auto (harmony for "
+                                      "gpt-oss, qwen3_coder for a template with Qwen3-Coder's tool calls, else "
+                                      "template), harmony, qwen3_coder or template", choices=chat.FORMAT_NAMES)
+
+
+def settings_class(backend: str) -> type:
+    """The settings class of the engine registered as ``backend``; ``ModelSettings`` for an unregistered name."""
+    return registry.backend_class(backend).Settings if registry.is_registered(backend) else ModelSettings
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """Either ``text`` (rendered as one user turn unless ``raw``) or chat ``messages``."""
+    """Either ``text`` (rendered as one user turn unless ``raw``) or chat ``messages`` (chat/conversation.py's
+    shapes); the ``tools`` offered and the ``reasoning_effort`` asked for are rendered with them."""
 
     text: str | None = None
     messages: tuple | None = None
     raw: bool = False
     system: str | None = None
+    tools: chat.Tools | None = None
+    reasoning_effort: str | None = None  # low, medium or high: for formats with a reasoning channel
 
 
 @dataclass(frozen=True)
@@ -74,6 +123,8 @@ class Sampling:
     # never end at an end-of-generation token: exactly max_new_tokens (or a stop string), for
     # benchmarks, as llama.cpp's server and vLLM offer; backends without it refuse the request
     ignore_eos: bool = False
+    tools: chat.Tools | None = None     # what the answer may call (parsed out of it; a grammar where needed)
+    reasoning_budget: int | None = None  # reasoning tokens before the model is moved on to its answer
 
 
 @dataclass
@@ -88,10 +139,22 @@ class Prefilled:
 
 @dataclass
 class Event:
-    """One step of a generation: a text ``piece``, or the final ``metrics``."""
+    """One step of a generation: a ``piece`` of the answer, of the ``reasoning``, a ``tool_call``
+    (``{"name", "arguments"}``, the arguments as JSON text), or the final ``metrics``."""
 
     piece: str | None = None
     metrics: dict | None = None
+    reasoning: str | None = None
+    tool_call: dict | None = None
+
+    @classmethod
+    def of(cls, part: "chat.Part") -> "Event":
+        """The event of a chat format's output part."""
+        if part.kind == chat.REASONING:
+            return cls(reasoning=part.value)
+        if part.kind == chat.TOOL_CALL:
+            return cls(tool_call=part.value.as_dict())
+        return cls(piece=part.value)
 
     @property
     def done(self) -> bool:
@@ -150,35 +213,46 @@ def check_fits(n_prompt: int, n_ctx: int, what: str = "this server's context") -
         raise ContextOverflow(f"prompt has {n_prompt} tokens; {what} holds {n_ctx}", field="prompt")
 
 
-def gguf_prompt_tokens(prompt: Prompt, formatter, tokenize) -> tuple[list[int], tuple]:
-    """Token ids of a prompt and the stop strings its chat template adds, for the backends that read a
-    GGUF's vocabulary: ``formatter`` is its chat template (llama-cpp-python's ``Jinja2ChatFormatter``,
-    or None when it has none), ``tokenize(data: bytes, add_bos, special)`` its tokenizer."""
+def gguf_prompt_tokens(prompt: Prompt, chat_format, tokenize) -> tuple[list[int], tuple, str]:
+    """Token ids of a prompt, the stop strings its chat template adds, and the name of the chat format that
+    rendered it (``raw`` for a prompt sent as written), for the backends that read a GGUF's vocabulary:
+    ``chat_format`` is the model's (chat/, or None when it has none), ``tokenize(data: bytes, add_bos,
+    special)`` its tokenizer."""
     from ..errors import BadRequest
 
-    if prompt.raw or (formatter is None and prompt.messages is None):
+    if prompt.raw or (chat_format is None and prompt.messages is None):
+        if prompt.tools is not None:
+            raise BadRequest("'tools' need a chat prompt: send 'messages' (or a prompt that is not raw)",
+                             field="tools")
         text = prompt.text if prompt.system is None else f"{prompt.system}\n\n{prompt.text}"
-        return tokenize(text.encode("utf-8"), add_bos=True, special=False), ()
-    if formatter is None:
+        return tokenize(text.encode("utf-8"), add_bos=True, special=False), (), chat.RAW.name
+    if chat_format is None:
         raise BadRequest("this model has no chat template; send 'prompt' with 'raw': true", field="messages")
     messages = list(prompt.messages or ({"role": "user", "content": prompt.text},))
     if prompt.system:
         messages.insert(0, {"role": "system", "content": prompt.system})
-    try:
-        rendered = formatter(messages=messages)
-    except Exception as exc:  # the template's own raise_exception, or a jinja error
-        raise BadRequest(f"chat template rejected the messages: {exc}", field="messages") from None
-    tokens = tokenize(rendered.prompt.encode("utf-8"), add_bos=not rendered.added_special, special=True)
-    return tokens, tuple(s for s in rendered.stop if s)
+    rendered = chat_format.render(messages, tools=prompt.tools, reasoning_effort=prompt.reasoning_effort)
+    tokens = tokenize(rendered.text.encode("utf-8"), add_bos=rendered.add_bos, special=True)
+    return tokens, rendered.stops, chat_format.name
 
 
 class Backend(abc.ABC):
+    """An engine: what the prefill and decode servers call, and nothing else.
+
+    The server's owner thread (server/owner.py) calls ``load`` once, then runs each
+    request's ``prefill``/``decode``/``generate`` on one of ``slots`` worker threads
+    (a ``BatchedBackend`` steps them on the owner thread instead), and ``close`` at
+    the end. HTTP threads call only what answers from memory: ``fingerprint``,
+    ``describe``, ``served_model``, ``receive_room`` and ``convert``.
+    """
+
     name: ClassVar[str]
     handoff_kind: ClassVar[str]
     # bundle kinds decode() can continue from
     accepts: ClassVar[tuple] = ()
-    # batched backends' prefill/decode/generate are generators that yield Eval requests, and
-    # evaluate() runs one step of them; the others run each request to its end on a thread
+    # the engine's settings: ModelSettings, or a subclass declaring the engine's own options
+    Settings: ClassVar[type] = ModelSettings
+    # True for a BatchedBackend: its requests are generators stepped together by ``evaluate``
     batched: ClassVar[bool] = False
     # backends that see next-token logits make a canary on prefill and check it on decode
     # (kv/canary.py); the server sets its policy from its settings. The others report
@@ -186,6 +260,24 @@ class Backend(abc.ABC):
     canary: CanaryPolicy = CanaryPolicy()
     # whether ``Sampling.ignore_eos`` is honoured (the server refuses it where it is not)
     ignores_eos: ClassVar[bool] = False
+    # the overlapped handoff (kv/stream.py): None or ``{"enabled": False, "reason": ...}`` where ``prefill``
+    # hands the KV over whole; ``{"enabled": True}`` where ``prefill(prompt, kv_stream=sink)`` hands it to the
+    # sink piece by piece as it is evaluated; ``{"enabled": None}`` until ``probe_kv_streaming()`` (run on the
+    # model's thread at the first streamed request) has found out
+    kv_streaming: dict | None = None
+    # bundle kinds decode() takes while a streamed bundle still arrives (``received.incoming`` set: it imports
+    # the pieces as they land, yielding ``Wait`` in between; BatchedBackend only); any other kind is pulled whole
+    # first
+    imports_streamed: ClassVar[tuple] = ()
+
+    def __init__(self, settings: ModelSettings):
+        self.settings = settings
+
+    @classmethod
+    def compute_threads(cls, settings: ModelSettings) -> int:
+        """CPU threads a server of this engine computes with on an OpenMP team, whose wait policy the
+        launcher sets (``server.openmp_wait``); 0 for an engine whose work runs elsewhere."""
+        return 0
 
     @property
     def engine(self) -> str:
@@ -197,9 +289,6 @@ class Backend(abc.ABC):
         """How many requests this backend serves at once (``parallel`` in the config)."""
         return max(1, self.settings.parallel)
 
-    def __init__(self, settings: ModelSettings):
-        self.settings = settings
-
     @abc.abstractmethod
     def load(self, progress: Callable[[str], None] = lambda message: None) -> None:
         """Load the model (may take minutes); report progress as short messages."""
@@ -209,16 +298,23 @@ class Backend(abc.ABC):
         """What produced this backend's bundles; a decode side refuses any mismatch."""
 
     @abc.abstractmethod
-    def prefill(self, prompt: Prompt) -> Prefilled:
-        ...
+    def prefill(self, prompt: Prompt, kv_stream=None) -> Prefilled:
+        """Evaluate the prompt (all of it, or all but its last token, which decode then evaluates); with
+        ``kv_stream`` (given only where ``kv_streaming`` is enabled) hand its KV to that sink as it is made."""
 
     @abc.abstractmethod
     def decode(self, received: Received, sampling: Sampling, cancelled: Cancelled) -> Iterator[Event]:
-        ...
+        """Continue a prefilled prompt: text pieces, then the metrics. ``received.verify()`` is called
+        after the import and before the first piece (the checksum may still be running)."""
 
     @abc.abstractmethod
     def generate(self, prompt: Prompt, sampling: Sampling, cancelled: Cancelled) -> Iterator[Event]:
-        ...
+        """The whole request on this machine (the decode-only path and the fallback)."""
+
+    def convert(self, prefilled: Prefilled, kind: str) -> Prefilled | None:
+        """``prefilled`` as the bundle kind ``kind`` a decode side asked for (``kv_kind``), or None when
+        this engine cannot make it. Runs on the request's HTTP thread, after ``prefill``."""
+        return None
 
     def receive_room(self) -> tuple[int, int]:
         """Spare bytes (before, after) a received payload should have around it (see kv/buffers.with_room)."""
@@ -242,3 +338,47 @@ class Backend(abc.ABC):
         if model.startswith("ollama:"):
             return model[len("ollama:"):]
         return model.replace("\\", "/").rsplit("/", 1)[-1] if model.lower().endswith(".gguf") else model
+
+
+class BatchedBackend(Backend):
+    """A backend whose requests the owner thread steps together (continuous batching).
+
+    ``prefill``, ``decode`` and ``generate`` are generators that yield ``Eval``
+    requests (and, for decode and generate, ``Event``s); ``prefill`` returns its
+    ``Prefilled`` as the generator's value. Each step the owner gathers the
+    pending ``Eval`` of every active request and calls ``evaluate`` once with all
+    of them; a request is sent its ``Eval`` back once all of its tokens are in.
+    A request may yield a ``Wait`` instead (a streamed KV bundle's next pieces):
+    it is parked, the others going on, until the ``Wait`` is ready.
+    Requests join and leave between steps; a request's generator is closed when
+    it is cancelled, and its cleanup must free whatever it held (its sequence).
+    At most ``slots`` requests are active at once.
+    """
+
+    batched: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def evaluate(self, evals: list[Eval]) -> int:
+        """One step over the pending requests: evaluate as many of each ``Eval``'s remaining tokens as
+        the batch holds (advancing ``done``), give each completed one its ``row`` (where its last
+        token's logits are, valid until the next step) and ``alone``; return the tokens evaluated.
+        An exception fails every request of the step; the others go on."""
+
+    def run(self, request):
+        """Drive one request generator (``prefill``/``decode``/``generate``) to its end on the calling
+        thread, alone in every batch (tests, benchmarks, tools; a ``Wait`` polled until it is ready);
+        returns (the events it yielded, its return value)."""
+        events = []
+        try:
+            while True:
+                item = next(request)
+                if isinstance(item, Eval):
+                    while not item.complete:
+                        self.evaluate([item])
+                elif isinstance(item, Wait):
+                    while not item.ready():
+                        time.sleep(0.001)
+                else:
+                    events.append(item)
+        except StopIteration as stop:
+            return events, stop.value

@@ -1,102 +1,83 @@
-"""A GGUF file's vocabulary for the backends that run its weights elsewhere (MLX, transformers).
+"""A GGUF file's vocabulary and chat format, read by llama.cpp: what every engine that runs a GGUF shares.
 
+``chat_format_of`` picks the model's chat format (chat/) from its metadata, with
+the template renderer llama-cpp-python provides; ``GgufVocab`` is the vocabulary
+for the backends that run the file's weights elsewhere (MLX, transformers):
 llama.cpp reads the file with ``vocab_only`` (no tensors, no download), so these
-backends produce exactly the token ids a llama.cpp prefill server produces for the
-same prompt, with the GGUF's own chat template; and ``stream_text`` turns the
-tokens they sample into text pieces: end-of-generation, stop strings held back
-until they can no longer start, cancellation, the token budget.
+backends produce exactly the token ids a llama.cpp prefill server produces for
+the same prompt, with the same chat format; and the text of the tokens they
+sample, and which ones end the generation (neutral_engine.py's token loop).
 """
 from __future__ import annotations
 
-import codecs
-import time
+from .. import chat
+from .base import Prompt, gguf_prompt_tokens
 
-from .base import Event, Prompt, gguf_prompt_tokens, rate
+
+def chat_format_of(setting: str, metadata: dict, bos_text: str, eos_text: str):
+    """The chat format of a GGUF (None: no template and no format of its own) for the ``chat_format`` option."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    return chat.choose(setting, arch=metadata.get("general.architecture"),
+                       template=metadata.get("tokenizer.chat_template"),
+                       make_renderer=lambda source: Jinja2ChatFormatter(template=source, eos_token=eos_text,
+                                                                        bos_token=bos_text))
+
+
+def end_tokens(fmt, eog: set, single_token) -> frozenset:
+    """The token ids that end a generation read by ``fmt``: the vocabulary's end-of-generation tokens
+    (``eog``), with the format's own ends and without those it continues past (harmony's ``<|end|>``);
+    ``single_token(text)`` is the id of a special token's text, or None."""
+    ends = set(eog)
+    ends |= {t for t in map(single_token, fmt.end_texts) if t is not None}
+    ends -= {t for t in map(single_token, fmt.continue_texts) if t is not None}
+    return frozenset(ends)
 
 
 class GgufVocab:
-    def __init__(self, path):
+    def __init__(self, path, chat_format: str = "auto"):
         import llama_cpp
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         self._llama_cpp = llama_cpp
         self.llama = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
-        self._formatter = None
-        template = self.llama.metadata.get("tokenizer.chat_template")
-        if template:
-            eos, bos = self.llama.token_eos(), self.llama.token_bos()
-            self._formatter = Jinja2ChatFormatter(
-                template=template,
-                eos_token=self.llama._model.token_get_text(eos) if eos != -1 else "",
-                bos_token=self.llama._model.token_get_text(bos) if bos != -1 else "",
-            )
+        model = self.llama._model
+        eos, bos = self.llama.token_eos(), self.llama.token_bos()
+        self.chat = chat_format_of(chat_format, self.llama.metadata,
+                                   model.token_get_text(bos) if bos != -1 else "",
+                                   model.token_get_text(eos) if eos != -1 else "")
+        self._eog = {t for t in range(self.llama.n_vocab()) if llama_cpp.llama_vocab_is_eog(model.vocab, t)}
+        self._ends: dict = {}
 
     def tokenize(self, prompt: Prompt) -> tuple[list[int], tuple]:
         """Token ids of a prompt and the stop strings its chat template adds."""
-        return gguf_prompt_tokens(prompt, self._formatter, self.llama.tokenize)
+        return self.prompt_tokens(prompt)[:2]
+
+    def prompt_tokens(self, prompt: Prompt) -> tuple[list[int], tuple, str]:
+        """Token ids of a prompt, its template's stop strings and the chat format that rendered it."""
+        return gguf_prompt_tokens(prompt, self.chat, self.llama.tokenize)
+
+    def special_tokens(self, text: str) -> list[int]:
+        """The ids of ``text`` with special tokens' text read as those tokens."""
+        return self.llama.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+
+    def ends(self, fmt) -> frozenset:
+        """The ids that end a generation read by chat format ``fmt``."""
+        if fmt.name not in self._ends:
+            def single(text):
+                ids = self.special_tokens(text)
+                return ids[0] if len(ids) == 1 else None
+            self._ends[fmt.name] = end_tokens(fmt, self._eog, single)
+        return self._ends[fmt.name]
 
     def is_eog(self, token: int) -> bool:
-        return bool(self._llama_cpp.llama_vocab_is_eog(self.llama._model.vocab, token))
+        return token in self._eog
 
-    def piece(self, token: int) -> bytes:
-        return self.llama.detokenize([token], special=False)
+    def eog_tokens(self) -> list[int]:
+        """Every end-of-generation token id of the vocabulary (for engines that stop by id themselves)."""
+        return sorted(self._eog)
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        return self.llama.detokenize([token], special=special)
 
     def close(self) -> None:
         self.llama.close()
-
-
-def stream_text(vocab: GgufVocab, logits, sample, advance, *, budget: int, stop: tuple, cancelled):
-    """Sample up to ``budget`` tokens and yield their text as ``Event(piece=...)``.
-
-    ``sample(logits) -> token id``; ``advance(token) -> logits`` evaluates a sampled token
-    (not called after the last). Text that might be the start of a stop string is held back;
-    a stop string ends the text before it. Returns ``(generated, finish_reason, first_token_at)``.
-    """
-    hold = max((len(s) for s in stop), default=1) - 1
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    text, sent, generated, finish, cut_at_stop, first_at = "", 0, 0, "length", False, None
-    while generated < budget:
-        token = sample(logits)
-        if first_at is None:
-            first_at = time.perf_counter()
-        if vocab.is_eog(token):
-            finish = "stop"
-            break
-        generated += 1
-        text += decoder.decode(vocab.piece(token))
-        cut = min((i for i in (text.find(s, max(0, sent - hold)) for s in stop) if i >= 0), default=-1)
-        if cut >= 0:
-            text, finish, cut_at_stop = text[:cut], "stop", True
-            break
-        upto = max(sent, len(text) - hold) if stop else len(text)
-        yield Event(piece=text[sent:upto])
-        sent = upto
-        if cancelled():
-            finish = "cancelled"
-            break
-        if generated < budget:
-            logits = advance(token)
-    if not cut_at_stop:
-        text += decoder.decode(b"", final=True)
-    if len(text) > sent:
-        yield Event(piece=text[sent:])
-    return generated, finish, first_at
-
-
-def generation_metrics(tokens, prompt_evaluated: int, generated: int, finish: str, *, started: float, t_gen: float,
-                       first_at: float | None, extra: dict) -> dict:
-    """A generation's closing metrics: ``started`` when the request began, ``t_gen`` when the last prompt
-    token's evaluation began, ``first_at`` when the first token was sampled (``stream_text``)."""
-    ended = time.perf_counter()
-    first_at = first_at or ended
-    decode_time = ended - t_gen
-    metrics = {
-        "prompt_tokens": len(tokens), "prompt_tokens_recomputed": prompt_evaluated,
-        "completion_tokens": generated, "decode_time": round(decode_time, 6),
-        "decode_speed": rate(generated, decode_time), "first_token_time": round(first_at - t_gen, 6),
-        "backend_time": round(ended - started, 6), "finish_reason": finish, **extra,
-    }
-    if extra["method"] != "kv_handoff":
-        metrics["prompt_eval_time"] = round(t_gen - started, 6)
-        metrics["prompt_eval_speed"] = rate(len(tokens), t_gen - started)
-    return metrics

@@ -55,7 +55,8 @@ Known limits
     text merges with the end of the rendered prompt when ``prompt + text`` is
     tokenized again (a newline after a template that ends in one, say), the
     ids are off by that token and ``first_token_matches_prefill`` turns false.
-    ``thinking`` output (thinking models) is not forwarded, only ``response``.
+    ``thinking`` output (thinking models) is not forwarded, only ``response``;
+    ``reasoning_effort`` is not passed on, and ``tools`` are refused (400).
     Every call sends the same runner options (``num_ctx`` = ``n_ctx``, then
     ``ollama_options``): a change would make Ollama reload the model.
 """
@@ -65,15 +66,14 @@ import contextlib
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator
-
-import httpx
-import ollama
 
 from ..kv.bundle import KIND_TOKEN_IDS
 from ..errors import (BackendUnavailable, BadRequest, DisaggError, FingerprintMismatch,
                       ModelNotFound, Overloaded, UpstreamError, UpstreamTimeout)
-from .base import Backend, Event, Prefilled, Prompt, Received, Sampling, check_fits, rate
+from .base import Backend, Event, ModelSettings, Prefilled, Prompt, Received, Sampling, check_fits, rate
+from .options import option
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +100,27 @@ def canonical_name(name: str) -> str:
     return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
 
 
+@dataclass(frozen=True)
+class OllamaSettings(ModelSettings):
+    ollama_host: str | None = option(None, f"the Ollama daemon's URL (unset: $OLLAMA_HOST, else {DEFAULT_HOST})")
+    ollama_timeout: float = option(300.0, "seconds a call to Ollama may take (loading a big model takes minutes)",
+                                   above=0)
+    keep_alive: str | int = option("30m", "how long Ollama keeps the model loaded after a request (Ollama's "
+                                          "keep_alive: a duration or seconds)")
+    ollama_options: dict = option({}, "runner options sent with every request (num_gpu, num_batch, ...; "
+                                      "num_ctx comes from n_ctx)")
+
+
 class OllamaBackend(Backend):
     name = "ollama"
     handoff_kind = KIND_TOKEN_IDS
     accepts = (KIND_TOKEN_IDS,)
+    Settings = OllamaSettings
 
     def __init__(self, settings):
+        import httpx
+        import ollama  # the official client, imported with the first backend that uses it
+
         super().__init__(settings)
         host = settings.ollama_host or os.environ.get("OLLAMA_HOST") or DEFAULT_HOST
         # Reads may wait as long as ollama_timeout (a big model loads for minutes); connecting may not.
@@ -127,6 +142,9 @@ class OllamaBackend(Backend):
     @contextlib.contextmanager
     def _ollama_errors(self, what: str, timeout: float | None = None):
         """Translate what the client raises into the project's errors, naming host and model."""
+        import httpx
+        import ollama
+
         try:
             yield
         except ollama.ResponseError as exc:
@@ -162,6 +180,8 @@ class OllamaBackend(Backend):
         return UpstreamError(f"{where} answered {status} to {what}: {message}", upstream_status=status)
 
     def _get(self, path: str, timeout: float | None = None) -> dict:
+        import httpx
+
         with self._ollama_errors(f"GET {path}", timeout):
             resp = self._http.get(path, timeout=timeout or httpx.USE_CLIENT_DEFAULT)
             if resp.status_code != 200:
@@ -251,6 +271,9 @@ class OllamaBackend(Backend):
 
     def render(self, prompt: Prompt) -> dict:
         """The ``prompt``/``system``/``template`` fields that make Ollama render this prompt."""
+        if prompt.tools is not None:
+            raise BadRequest("the ollama backend renders no tools (its /api/generate has none); serve tool calls "
+                             "with a llama_cpp server of the same GGUF (\"model\": \"ollama:NAME\")", field="tools")
         if prompt.raw:
             if prompt.messages is not None:
                 raise BadRequest("'raw' takes a 'prompt' string, not 'messages'", field="raw")
@@ -260,7 +283,7 @@ class OllamaBackend(Backend):
             return {"prompt": prompt.text, **({"system": prompt.system} if prompt.system else {})}
         messages = list(prompt.messages)
         system = [prompt.system] if prompt.system else []
-        while messages and messages[0]["role"] == "system":
+        while messages and messages[0]["role"] in ("system", "developer"):
             system.append(messages.pop(0)["content"])
         if len(messages) != 1 or messages[0]["role"] != "user":
             raise BadRequest("the ollama backend renders system messages followed by one user message "

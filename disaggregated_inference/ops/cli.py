@@ -24,6 +24,9 @@ DEMO_PROMPTS = {
     "gpt-oss": "Write two sentences of encouraging feedback for a student whose sales analysis notebook "
                "ran without errors but had no charts.",
 }
+# A base model (its GGUF has no chat template: not instruction-tuned, as the Gemma 3 270M stand-in for
+# gpt-oss) answers an instruction with unrelated words; it continues text well. The demo gives it this.
+DEMO_COMPLETION = {"prompt": "Pandas is an open-source Python library that", "raw": True, "stop": ["\n\n"]}
 
 
 def _say(message: str) -> None:
@@ -81,9 +84,14 @@ def _print_result(model: str, text: str, metrics: dict, as_json: bool) -> None:
     print(f"--- {model} ---")
     print(text.strip())
     print()
+    _print_metrics(metrics)
+
+
+def _print_metrics(metrics: dict) -> None:
     rows = [("method", metrics.get("method")),
             ("prefill server", metrics.get("prefill_server")), ("decode server", metrics.get("decode_server")),
             ("prompt tokens", metrics.get("prompt_tokens")), ("completion tokens", metrics.get("completion_tokens")),
+            *([("of them reasoning", metrics["reasoning_tokens"])] if metrics.get("reasoning_tokens") else []),
             ("prefill", _fmt_phase(metrics.get("prefill_time"), metrics.get("prefill_speed"))),
             ("decode", _fmt_phase(metrics.get("decode_time"), metrics.get("decode_speed"))),
             ("KV handed over", _fmt_bytes(metrics.get("kv_bytes"), metrics.get("kv_transfer_time"))
@@ -123,9 +131,28 @@ def cmd_generate(args) -> int:
     prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
     with DisaggregatedClient(args.config, health_check=False) as client:
         text, metrics = client.generate(model=args.model, prompt=prompt, max_tokens=args.max_tokens,
-                                        temperature=args.temperature, seed=args.seed)
+                                        temperature=args.temperature, seed=args.seed,
+                                        reasoning_effort=args.reasoning_effort)
     _print_result(args.model, text, metrics, args.json)
     return 0
+
+
+def base_models(client) -> set:
+    """Model keys whose decode servers run a GGUF without a chat template of its own (a base model:
+    the server applies a built-in template, which does not make it follow instructions). A model the
+    server renders in its own format (gpt-oss's harmony) is no base model."""
+    client.check_health()
+    infos = [(s.entry.model, s.health.get("model_info") or {}) for s in client.servers.values()
+             if s.entry.role == "decode"]
+    return {model for model, info in infos if "chat_template" in info and info["chat_template"] != "gguf"
+            and info.get("chat_format") != "harmony"}
+
+
+def demo_job(model: str, base: bool, max_tokens: int) -> dict:
+    if base:
+        return {"model": model, **DEMO_COMPLETION, "max_tokens": max_tokens, "seed": 0}
+    return {"model": model, "prompt": DEMO_PROMPTS.get(model, "Say hello in one sentence."),
+            "max_tokens": max_tokens, "seed": 0}
 
 
 def cmd_demo(args) -> int:
@@ -135,8 +162,8 @@ def cmd_demo(args) -> int:
     try:
         with DisaggregatedClient(cluster.config, health_check=False) as client:
             models = args.models or list(client.config.models)
-            jobs = [{"model": m, "prompt": DEMO_PROMPTS.get(m, "Say hello in one sentence."),
-                     "max_tokens": args.max_tokens, "seed": 0} for m in models]
+            base = base_models(client)
+            jobs = [demo_job(m, m in base, args.max_tokens) for m in models]
             _say(f"sending {len(jobs)} prompts in parallel through prefill -> KV handoff -> decode ...")
             results, combined = client.generate_many(jobs)
         failed = 0
@@ -145,7 +172,17 @@ def cmd_demo(args) -> int:
                 failed += 1
                 print(f"--- {job['model']} --- FAILED: {result}")
                 continue
-            _print_result(job["model"], *result, as_json=args.json)
+            if args.json:
+                _print_result(job["model"], *result, as_json=True)
+                continue
+            print(f"--- {job['model']} ---" if not job.get("raw") else
+                  f"--- {job['model']} (a base model, no chat template: it continues text rather than following "
+                  "instructions) ---")
+            text, metrics = result
+            print("prompt:  " + job["prompt"].replace("\n", "\n         "))
+            print("answer:  " + text.strip().replace("\n", "\n         "))
+            print()
+            _print_metrics(metrics)
             print()
         if not args.json:
             print("concurrent: " + describe_overlap(combined))
@@ -169,8 +206,10 @@ def cmd_serve(args) -> int:
     else:
         if not (args.role and args.model):
             raise ConfigError("give --server NAME (with --config) or --role and --model", field="server")
-        model = ModelSettings(backend=args.backend, model=args.model, name=args.name or args.model,
-                              **({"n_gpu_layers": args.n_gpu_layers} if args.n_gpu_layers is not None else {}))
+        given = {"backend": args.backend, "model": args.model}
+        if args.n_gpu_layers is not None:  # an option of llama_cpp: another engine leaves it
+            given["n_gpu_layers"] = args.n_gpu_layers
+        model = ModelSettings.from_dict(given, name=args.name or args.model)
         settings = ServerSettings(role=args.role, model=model, name=args.name or f"{args.role}-{args.model}")
         bind = args.bind or f"0.0.0.0:{8000 if args.role == 'prefill' else 8001}"
     if os.environ.get("DISAGG_API_TOKEN"):  # e.g. from a systemd EnvironmentFile; beats the config file
@@ -227,6 +266,13 @@ def cmd_doctor(args) -> int:
     return 0 if not report.problems else 1
 
 
+def cmd_top(args) -> int:
+    from ..observe import top
+
+    cfg = cluster_config.load(args.config)
+    return top.run(cfg, interval=args.interval, window=args.window, once=args.once)
+
+
 def cmd_models(args) -> int:
     from ..backends.gguf import BUILTIN
 
@@ -262,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--reasoning-effort", choices=("low", "medium", "high"),
+                   help="how long a reasoning model (gpt-oss) thinks; --json shows its reasoning")
     p.add_argument("--json", action="store_true", help="print the raw result as JSON")
     p.set_defaults(func=cmd_generate)
 
@@ -302,6 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_doctor)
+
+    p = with_config(sub.add_parser("top", help="live view of a running cluster in the terminal: per-model "
+                                               "timings, slots, queues, handoffs, canary, KV links"))
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between redraws")
+    p.add_argument("--window", type=float, default=300.0, help="seconds the percentiles and rates cover")
+    p.add_argument("--once", action="store_true", help="print one frame (figures since the servers started) "
+                                                     "and exit; 1 when a server is not up")
+    p.set_defaults(func=cmd_top)
 
     p = sub.add_parser("models", help="list the built-in (packaged) models")
     p.set_defaults(func=cmd_models)

@@ -5,6 +5,12 @@ from the prefill server, or bare token ids, recomputed); ``POST /generate``
 (prompt -> text entirely on this machine). Both answer JSON, or NDJSON with
 ``"stream": true``: one line per text piece, then a final line with metrics.
 
+A model that reasons or calls tools (its chat format reads them apart, chat/)
+answers them beside the text: ``reasoning`` (its chain of thought, never in
+``generated_text``) and ``tool_calls`` (``{"name", "arguments"}``, the
+arguments as JSON text); a stream has ``{"reasoning": ...}`` and
+``{"tool_call": ...}`` lines between its ``{"text": ...}`` lines.
+
 A streamed KV reference (``kv.mode: "streamed"``, the overlapped handoff) is
 pulled while the prefill server still evaluates the prompt: its fingerprint is
 checked as soon as its header is in, and a backend that imports as the pieces
@@ -99,16 +105,25 @@ def run_events(events, received_at: float, extra: dict, stream: bool, observe=la
         return out
 
     if not stream:
-        pieces, first_at, metrics = [], None, {}
+        pieces, reasoning, calls, first_at, metrics = [], [], [], None, {}
         for event in events:
             if event.done:
                 metrics = event.metrics
+                continue
+            first_at = first_at or time.perf_counter()
+            if event.reasoning is not None:
+                reasoning.append(event.reasoning)
+            elif event.tool_call is not None:
+                calls.append(event.tool_call)
             else:
-                first_at = first_at or time.perf_counter()
                 pieces.append(event.piece)
         metrics = finish(metrics, first_at)
-        return web.json_response({"generated_text": "".join(pieces), "finish_reason": metrics.pop("finish_reason", None),
-                                  "metrics": metrics})
+        body = {"generated_text": "".join(pieces)}
+        if reasoning:
+            body["reasoning"] = "".join(reasoning)
+        if calls:
+            body["tool_calls"] = calls
+        return web.json_response({**body, "finish_reason": metrics.pop("finish_reason", None), "metrics": metrics})
 
     head = next(events, None)  # errors before the first event propagate from here
     head_at = time.perf_counter()
@@ -122,7 +137,7 @@ def run_events(events, received_at: float, extra: dict, stream: bool, observe=la
                     yield {"done": True, "finish_reason": metrics.pop("finish_reason", None), "metrics": metrics}
                 else:
                     first_at = first_at or (head_at if event is head else time.perf_counter())
-                    yield {"text": event.piece, "done": False}
+                    yield _line(event)
         except DisaggError as exc:
             yield {**exc.to_dict(), "done": True}
         except Exception as exc:  # the stream has started: report in-band, keep serving
@@ -131,6 +146,15 @@ def run_events(events, received_at: float, extra: dict, stream: bool, observe=la
         finally:
             events.close()
     return web.ndjson(lines())
+
+
+def _line(event) -> dict:
+    """A stream's line for one piece of a generation: of the answer, of the reasoning, or a tool call."""
+    if event.reasoning is not None:
+        return {"reasoning": event.reasoning, "done": False}
+    if event.tool_call is not None:
+        return {"tool_call": event.tool_call, "done": False}
+    return {"text": event.piece, "done": False}
 
 
 def create_app(config=None, backend=None) -> Flask:
@@ -156,7 +180,7 @@ def create_app(config=None, backend=None) -> Flask:
         try:
             received, extra = _receive(req)
             incoming = received.incoming
-            if incoming is not None and not getattr(st.backend, "imports_streamed", False):
+            if incoming is not None and received.kind not in st.backend.imports_streamed:
                 _pump(incoming, extra)  # this backend takes the bundle whole: all of it first
                 received.incoming = incoming = None
         except BaseException:
@@ -218,8 +242,7 @@ def create_app(config=None, backend=None) -> Flask:
         return received, extra
 
     def _observe_transfer(extra: dict, ref) -> None:
-        st.metrics.kv_bytes.inc(extra["kv_bytes"])
-        st.metrics.kv_transfer_seconds.observe(extra["kv_transfer_time"])
+        st.metrics.observe_pull(ref.url, extra["kv_bytes"], extra["kv_transfer_time"])
         if extra["kv_transfer_time"] > settings.slow_transfer_seconds:
             st.metrics.slow_transfers.inc()
             log.warning("slow KV transfer: bytes=%d seconds=%.3f url=%s (continuing)", extra["kv_bytes"],
@@ -236,5 +259,5 @@ def create_app(config=None, backend=None) -> Flask:
         return run_events(events, received_at, {"handoff": "none", "kv_bytes": 0, "queue_time": round(events.queue_time, 6)},
                           req.stream, st.metrics.observe_decode)
 
-    probe.register_decode(app, settings)  # POST /kv/probe: measure the path from a prefill server
+    probe.register_decode(app, settings, st.metrics)  # POST /kv/probe: measure the path from a prefill server
     return app

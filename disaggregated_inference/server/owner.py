@@ -7,21 +7,21 @@ A request that cannot get a slot within ``queue_timeout``, or that finds
 Retry-After) so the client can go elsewhere. A decode server reserves its slot
 before it pulls a KV bundle, so it never consumes a lease it cannot serve.
 
-A batched backend (llama.cpp) runs every admitted request as a generator on the
-owner thread: each step the owner collects the ``Eval`` requests of all of them
-and the backend evaluates them in one batch (continuous batching: requests join
-and leave between steps). A request that waits for something else (a streamed
-KV bundle's next pieces) yields a ``Wait`` and is parked, the others going on,
-until its ``ready()`` holds; whoever makes it hold calls ``wake``. Other backends
-(Ollama, which batches behind its own API) run each request to its end on one
-of ``slots`` worker threads.
+A batched backend (``BatchedBackend``, backends/base.py: llama.cpp) runs every
+admitted request as a generator on the owner thread: each step the owner collects
+the ``Eval`` requests of all of them and the backend evaluates them in one batch
+(continuous batching: requests join and leave between steps). A request that
+waits for something else (a streamed KV bundle's next pieces) yields a ``Wait``
+and is parked, the others going on, until its ``ready()`` holds; whoever makes it
+hold calls ``wake``. Other backends (Ollama, which batches behind its own API)
+run each request to its end on one of ``slots`` worker threads.
 
 The owner thread also loads the model, so a server answers /health while loading.
 At interpreter exit (a worker told to stop) the owner is stopped and joined, so the
-model is freed on its own thread before the process finalizes: MLX aborts the process
-("terminate called without an active exception") when the thread that created its
-state is still running then, which turned every MLX server's SIGTERM into a
-SIGABRT and a gdb backtrace that the launcher's 15 s wait then had to SIGKILL.
+model is freed on its own thread before the process finalizes: an engine whose state
+belongs to the thread that created it aborts the process when that thread is still
+running then (MLX: "terminate called without an active exception"), and a server
+must end cleanly on SIGTERM.
 """
 from __future__ import annotations
 

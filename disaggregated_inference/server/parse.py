@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from .. import chat
 from ..backends.base import Prompt, Sampling
 from ..errors import BadRequest, PayloadTooLarge
 from ..kv.receive import KVRef
@@ -38,13 +39,22 @@ def check_text(value: str, field: str) -> None:
         raise BadRequest(f"'{field}' is not valid text: {exc.reason} at character {exc.start}", field=field) from None
 
 
+def _message_chars(m: dict) -> int:
+    calls = m.get("tool_calls", ())
+    return (len(m["content"]) + len(m["role"]) + len(m.get("reasoning", ""))
+            + sum(len(c["name"]) + len(json.dumps(c["arguments"])) for c in calls))
+
+
 def check_prompt_size(prompt, limits: Limits) -> None:
-    """The prompt's characters (text or messages' contents, plus system) against the limit, before any work."""
+    """The prompt's characters (text or messages' contents, plus system and tools) against the limit, before any
+    work."""
     if prompt.text is not None:
         field, size = "prompt", len(prompt.text)
     else:
-        field, size = "messages", sum(len(m["content"]) + len(m["role"]) for m in prompt.messages)
+        field, size = "messages", sum(_message_chars(m) for m in prompt.messages)
     size += len(prompt.system or "")
+    if prompt.tools is not None:
+        size += len(json.dumps(prompt.tools.as_openai()))
     if size > limits.prompt_chars:
         raise PayloadTooLarge(f"'{field}' has {size} characters (with 'system'); this server takes at most "
                               f"{limits.prompt_chars}", field=field)
@@ -136,14 +146,7 @@ def parse_prompt(body: dict, limits: Limits = DEFAULT_LIMITS) -> Prompt:
     if text is not None and (not isinstance(text, str) or not text):
         raise BadRequest("'prompt' must be a non-empty string", field="prompt")
     if messages is not None:
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("'messages' must be a non-empty list", field="messages")
-        for i, message in enumerate(messages):
-            if (not isinstance(message, dict) or not isinstance(message.get("role"), str)
-                    or not isinstance(message.get("content"), str)):
-                raise BadRequest(f"messages[{i}] must be an object with string 'role' and 'content'",
-                                 field=f"messages[{i}]")
-        messages = tuple({"role": m["role"], "content": m["content"]} for m in messages)
+        messages = chat.parse_messages(messages)  # roles, contents, tool calls and results; valid text
     raw = _typed(body, "raw", bool, False, what="a boolean")
     if raw and messages is not None:
         raise BadRequest("'raw' applies to 'prompt' only; 'messages' are always rendered with the chat template",
@@ -153,10 +156,9 @@ def parse_prompt(body: dict, limits: Limits = DEFAULT_LIMITS) -> Prompt:
         check_text(text, "prompt")
     if system is not None:
         check_text(system, "system")
-    for i, message in enumerate(messages or ()):
-        check_text(message["role"], f"messages[{i}].role")
-        check_text(message["content"], f"messages[{i}].content")
-    prompt = Prompt(text=text, messages=messages, raw=raw, system=system)
+    tools = chat.parse_tools(body.get("tools"), body.get("tool_choice"))
+    prompt = Prompt(text=text, messages=messages, raw=raw, system=system, tools=tools,
+                    reasoning_effort=chat.parse_effort(body.get("reasoning_effort")))
     check_prompt_size(prompt, limits)
     return prompt
 
@@ -192,6 +194,9 @@ def parse_sampling(body: dict, limits: Limits = DEFAULT_LIMITS) -> Sampling:
             raise BadRequest("'ignore_eos' cannot be combined with a JSON schema", field="ignore_eos")
     for i, seq in enumerate(stop):
         check_text(seq, "stop")
+    tools = chat.parse_tools(body.get("tools"), body.get("tool_choice"))
+    if tools is not None:
+        check_schema({"tools": tools.as_openai()}, "tools", limits)
     return Sampling(
         max_new_tokens=max_new,
         temperature=float(_number(body, "temperature", 0.0, 0.0, 5.0)),
@@ -201,12 +206,15 @@ def parse_sampling(body: dict, limits: Limits = DEFAULT_LIMITS) -> Sampling:
         stop=tuple(stop),
         json_schema=schema,
         ignore_eos=_typed(body, "ignore_eos", bool, False, what="a boolean"),
+        tools=tools,
+        reasoning_budget=_number(body, "reasoning_budget", None, 0, 1 << 20, integer=True),
     )
 
 
-PROMPT_KEYS = {"prompt", "messages", "raw", "system", "model"}
+# tools and tool_choice belong to both: the prompt renders them, the decode side reads the calls
+PROMPT_KEYS = {"prompt", "messages", "raw", "system", "model", "tools", "tool_choice", "reasoning_effort"}
 SAMPLING_KEYS = {"max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                 "json_schema", "format", "stream", "ignore_eos"}
+                 "json_schema", "format", "stream", "ignore_eos", "tools", "tool_choice", "reasoning_budget"}
 
 
 def parse_prefill(body, limits: Limits = DEFAULT_LIMITS, max_lease_seconds: float = 3600.0) -> PrefillRequest:
@@ -252,13 +260,14 @@ def parse_kv_ref(value) -> KVRef:
     return KVRef(url=value["url"], handle=value["handle"], bytes=size, crc32c=crc, streamed=mode == "streamed")
 
 
-# The design documents' spellings of what /decode continues from (seed 001: "kv_cache"; seed 004:
-# "context", the token ids /prefill answered with, sent beside the original "prompt").
+# The other spellings of what /decode continues from, which clients written to the design documents
+# send: "kv_cache" for "kv", and "context" (the token ids /prefill answered with, beside the original
+# "prompt") for "tokens".
 DOCUMENT_DECODE_KEYS = {"kv_cache", "context", "prompt"}
 
 
 def _kv_cache(value) -> KVRef:
-    """Seed 001's ``kv_cache``: the ``kv`` object a /prefill answered with, under the documents' name.
+    """``kv_cache``: the ``kv`` object a /prefill answered with, under the documents' name.
 
     The KV itself never travels inside JSON here (the decode server pulls it from the prefill
     server), so anything but that reference is refused, saying so."""
@@ -272,8 +281,8 @@ def _kv_cache(value) -> KVRef:
 
 
 def _decode_source(body: dict) -> tuple[KVRef | None, tuple | None]:
-    """What to continue from: a KV reference (``kv``, or seed 001's ``kv_cache``) or token ids
-    (``tokens``, or seed 004's ``context``: both are recomputed by the decode server)."""
+    """What to continue from: a KV reference (``kv``, or ``kv_cache``) or token ids (``tokens``, or
+    ``context``: both are recomputed by the decode server)."""
     given = [key for key in ("kv", "kv_cache", "tokens", "context") if body.get(key) is not None]
     if len(given) != 1:
         raise BadRequest("exactly one of 'kv' (a prefill's KV reference, also spelled 'kv_cache') or 'tokens' "

@@ -30,26 +30,20 @@ log = logging.getLogger(__name__)
 
 
 def as_kind(backend, result, kind: str | None):
-    """The prefilled result as the bundle kind the decode side asked for (``kv_kind``).
-
-    A llama.cpp state becomes ``neutral_kv`` here, after the backend's export
-    (kv/convert.py); other conversions are refused, naming ``kv_kind``.
-    """
+    """The prefilled result as the bundle kind the decode side asked for (``kv_kind``): converted by the
+    backend after its export (llama.cpp state -> ``neutral_kv``, kv/convert.py); a conversion it cannot
+    make is refused, naming ``kv_kind``."""
     if kind is None or kind == result.kind:
         return result
-    if kind == bundle.KIND_NEUTRAL_KV and result.kind == bundle.KIND_LLAMA_SEQ_STATE:
-        from ..kv.convert import llama_state_as_neutral
-
-        started = time.perf_counter()
-        meta, payload = llama_state_as_neutral(result.payload, backend.metadata(),
-                                               result.fingerprint["model_sha256"])
-        result.metrics["kv_convert_time"] = round(time.perf_counter() - started, 6)
-        result.metrics["kv_state_bytes"] = result.metrics.get("kv_bytes")
-        result.metrics["kv_bytes"] = len(payload)
-        result.kind, result.payload, result.meta = bundle.KIND_NEUTRAL_KV, payload, {**result.meta, "neutral": meta}
-        return result
-    raise BadRequest(f"this {backend.name} prefill server hands over {result.kind!r}; it cannot convert it to "
-                     f"{kind!r}", field="kv_kind")
+    started = time.perf_counter()
+    converted = backend.convert(result, kind)
+    if converted is None:
+        raise BadRequest(f"this {backend.name} prefill server hands over {result.kind!r}; it cannot convert it to "
+                         f"{kind!r}", field="kv_kind")
+    converted.metrics["kv_convert_time"] = round(time.perf_counter() - started, 6)
+    converted.metrics["kv_state_bytes"] = result.metrics.get("kv_bytes")
+    converted.metrics["kv_bytes"] = len(converted.payload)
+    return converted
 
 
 def streaming_refused(owner, req) -> str | None:
@@ -80,17 +74,6 @@ def create_app(config=None, backend=None) -> Flask:
     app = web.create_base_app(settings, backend, leases=LeaseTable(settings.lease_seconds, max_bytes=settings.max_lease_bytes))
     st = app.extensions["disagg"]
 
-    def observe(metrics: dict, nbytes: int) -> None:
-        st.metrics.prefill_seconds.observe(metrics.get("prefill_time", 0.0))
-        if metrics.get("prompt_tokens_cached"):
-            st.metrics.prompt_tokens_cached.inc(metrics["prompt_tokens_cached"])
-        if metrics.get("prefill_speed"):
-            st.metrics.prefill_speed.observe(metrics["prefill_speed"])
-            st.metrics.observe_prompt_speed(metrics["prefill_speed"])
-        if metrics.get("canary_ms") is not None:
-            st.metrics.canary_seconds.observe(metrics["canary_ms"] / 1000)
-        st.metrics.kv_bytes.inc(nbytes)
-
     def prefill_streamed(req, reservation, started: float):
         """Answer once the prompt is tokenized and its slot taken; the KV leaves as it is evaluated."""
         streaming = StreamingBundle()
@@ -102,7 +85,7 @@ def create_app(config=None, backend=None) -> Flask:
             except BaseException as exc:
                 streaming.fail(*_error_frame(exc), failure=exc)
                 raise
-            observe(result.metrics, len(memoryview(result.payload)))
+            st.metrics.observe_prefill(result.metrics, len(memoryview(result.payload).cast("B")))
             trailer_meta = {k: v for k, v in result.meta.items() if k not in streaming.header.meta}
             streaming.finish({"meta": trailer_meta, "metrics": result.metrics})
 
@@ -182,7 +165,7 @@ def create_app(config=None, backend=None) -> Flask:
         metrics["handoff_mode"] = "whole"
         if refused:
             metrics["handoff_mode_reason"] = refused
-        observe(metrics, header.payload_bytes)
+        st.metrics.observe_prefill(metrics, header.payload_bytes)
         log.info("prefill tokens=%d kv_bytes=%d time=%.3fs", len(result.tokens), header.payload_bytes,
                  metrics.get("prefill_time", 0.0))
         return answer(header, result.tokens, lease, metrics, {

@@ -67,13 +67,17 @@ def register_prefill(app) -> None:
                         direct_passthrough=True)
 
 
-def register_decode(app, settings) -> None:
+def register_decode(app, settings, metrics) -> None:
+    """``POST /kv/probe``; the result is kept as that path's capacity (``metrics.observe_probe``: the
+    ``disagg_kv_probe_bytes_per_second`` gauge and ``/health``'s ``kv_probes``) for the dashboards."""
     from . import web
 
     @app.post("/kv/probe")
     def kv_probe_pull():
         req = parse_probe_pull(web.json_body())
-        return web.json_response(pull(req, settings.api_token, settings.connect_timeout, settings.kv_fetch_timeout))
+        result = pull(req, settings.api_token, settings.connect_timeout, settings.kv_fetch_timeout)
+        metrics.observe_probe(req.url, result)
+        return web.json_response(result)
 
 
 def pull(req: ProbePull, api_token: str | None, connect_timeout: float, timeout: float) -> dict:

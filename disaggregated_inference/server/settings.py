@@ -12,8 +12,10 @@ import os
 from dataclasses import dataclass, field, fields, replace
 
 from .. import config as cluster_config
-from ..backends.base import ModelSettings
+from ..backends.base import DEFAULT_BACKEND, ModelSettings, settings_class
+from ..backends.registry import backend_class
 from ..errors import ConfigError
+from ..tuning import openmp_wait
 
 ROLES = ("prefill", "decode")
 
@@ -47,10 +49,11 @@ class ServerSettings(cluster_config.ServerOptions):
             raise ConfigError(f"{where}: unknown server setting {sorted(unknown)[0]!r}", field=sorted(unknown)[0])
         model = data.pop("model", {})
         if isinstance(model, dict):
-            unknown = set(model) - set(ModelSettings.__dataclass_fields__)
+            engine_settings = settings_class(model.get("backend", DEFAULT_BACKEND))
+            unknown = set(model) - set(engine_settings.__dataclass_fields__)
             if unknown:
                 raise ConfigError(f"{where}: unknown model setting {sorted(unknown)[0]!r}", field=f"model.{sorted(unknown)[0]}")
-            model = ModelSettings(**model)
+            model = engine_settings(**model)
         if data.get("role", "prefill") not in ROLES:
             raise ConfigError(f"{where}: role must be one of {ROLES}, got {data.get('role')!r}", field="role")
         for key in ("aliases", "kv_peers", "kv_sources", "canary_pairs"):
@@ -64,16 +67,15 @@ def prefill_addresses(entries) -> tuple:
 
 
 def compute_threads(cfg: cluster_config.ClusterConfig, entry) -> int:
-    """CPU threads the llama.cpp and transformers servers of the config that share ``entry``'s machine
-    compute with on OpenMP teams (its own included): servers whose host is the same, every loopback
-    name counting as one machine."""
-    from ..ops.launch import is_loopback, openmp_threads
+    """CPU threads the servers of the config that share ``entry``'s machine compute with on OpenMP teams
+    (its own included): servers whose host is the same, every loopback name counting as one machine."""
+    return sum(engine_threads(ModelSettings.from_dict(other.settings))
+               for other in (*cfg.prefill_servers, *cfg.decode_servers) if other.machine == entry.machine)
 
-    def machine(e):
-        return "loopback" if is_loopback(e.host) else e.host
 
-    return sum(openmp_threads(ModelSettings.from_dict(other.settings))
-               for other in (*cfg.prefill_servers, *cfg.decode_servers) if machine(other) == machine(entry))
+def engine_threads(model: ModelSettings) -> int:
+    """The CPU threads a server of ``model`` computes with on an OpenMP team (its engine's ``compute_threads``)."""
+    return backend_class(model.backend).compute_threads(model)
 
 
 def from_cluster(cfg: cluster_config.ClusterConfig, server_name: str, prefill_entries=None) -> ServerSettings:
@@ -81,8 +83,6 @@ def from_cluster(cfg: cluster_config.ClusterConfig, server_name: str, prefill_en
     that is a setting here, as the type of that setting's default (a config's ``30`` is ``30.0``).
     A decode server's ``kv_peers`` are the config's prefill servers (or ``prefill_entries``, e.g. with
     the ports a local cluster actually bound)."""
-    from ..ops.launch import openmp_wait
-
     entry = cfg.find_server(server_name)
     model = ModelSettings.from_dict(entry.settings, name=entry.model)
     limits = {f.name: cfg.server[f.name] if f.default is None else type(f.default)(cfg.server[f.name])
@@ -110,7 +110,10 @@ def resolve(override=None, role: str | None = None) -> ServerSettings:
             settings = ServerSettings(role=role or "prefill")
         if override:
             base = json.loads(settings.to_json())
-            model = {**base.pop("model"), **override.get("model", {})}
+            model, given = base.pop("model"), override.get("model", {})
+            if given.get("backend", model["backend"]) != model["backend"]:  # the shared settings carry over
+                model = {k: v for k, v in model.items() if k in ModelSettings.__dataclass_fields__}
+            model = {**model, **given}
             base.update({k: v for k, v in override.items() if k != "model"})
             base["model"] = model
             settings = ServerSettings.from_dict(base, "create_app(config)")

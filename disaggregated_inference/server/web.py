@@ -17,11 +17,12 @@ from flask import Flask, Response, current_app, request
 from werkzeug.exceptions import ClientDisconnected, HTTPException
 
 from .. import __version__, backends
+from ..backends import options
 from ..kv.canary import CanaryPolicy
 from ..errors import (BadRequest, DisaggError, ModelNotFound, PayloadTooLarge, RequestTimeout, Unauthorized,
                       UnsupportedMediaType)
 from ..kv.receive import socket_buffer_in_effect
-from ..ops.launch import copy_tunable_in_effect
+from ..tuning import copy_tunable_in_effect
 from . import resources  # psutil: imported with the app (metrics.py samples it for /metrics too)
 from . import admission
 from .metrics import ServerMetrics
@@ -70,7 +71,8 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
     backend = backend or backends.create(settings.model)
     backend.canary = CanaryPolicy.from_settings(settings)
     st = ServerContext(settings, ModelOwner(backend, settings.queue_timeout, settings.max_queue), leases=leases,
-                     metrics=ServerMetrics(settings.role, leases))
+                     metrics=ServerMetrics(settings.role, leases, name=settings.name, model=settings.model.name,
+                                           backend=settings.model.backend, version=__version__))
     st.metrics.watch_owner(st.owner)
     app.extensions["disagg"] = st
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
@@ -121,12 +123,14 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
             "aliases": list(settings.aliases),
             "loaded": owner.ready,
             "backend": settings.model.backend,
+            "options": options.values(settings.model),  # the model's settings, as its engine declares them
             "handoff": getattr(owner.backend, "handoff_kind", None),
             "accepts": list(getattr(owner.backend, "accepts", ())),  # bundle kinds its /decode continues
             # whole bundles, and streamed ones (the overlapped handoff): what a prefill server sends, what a
             # decode server takes (all of this version, imported as they arrive where the backend can)
             "handoff_modes": ["whole", "streamed"] if settings.role == "decode" or (
-                getattr(owner.backend, "kv_streaming", None) or {}).get("enabled") is not False else ["whole"],
+                getattr(owner.backend, "kv_streaming", None) or {"enabled": False}).get("enabled") is not False
+            else ["whole"],
             "progress": owner.progress,
             "error": owner.error,
             "busy": owner.busy,
@@ -151,6 +155,8 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
         if st.receive_buffers is not None:
             body["receive_buffers"] = {**st.receive_buffers.stats(),
                                        "socket_buffer_bytes": socket_buffer_in_effect(settings.kv_socket_buffer_bytes)}
+            # the last probe of each prefill server's data path (disagg doctor), by host:port
+            body["kv_probes"] = dict(st.metrics.probes)
         body["resources"] = resources.snapshot()
         return json_response(body, 200 if body["status"] in ("healthy", "loading") else 503)
 

@@ -3,7 +3,8 @@
     python -m disaggregated_inference.webui                       # a cluster already running (config)
     python -m disaggregated_inference.webui --local-cluster       # start the config's servers here too
 
-It runs ``streamlit run app.py`` on 127.0.0.1 and a free port (or ``--port``);
+It runs ``streamlit run navigation.py`` (the grading page and the cluster dashboard) on 127.0.0.1 and
+a free port (or ``--port``), with the viewer's toolbar (no Deploy or developer menu);
 with ``--local-cluster`` the servers get free ports and are stopped when the
 interface stops.
 """
@@ -23,7 +24,7 @@ from .. import config as cluster_config
 from ..errors import ConfigError, DisaggError
 from . import state
 
-APP = Path(__file__).with_name("app.py")
+APP = Path(__file__).with_name("navigation.py")
 
 
 def free_port(host: str) -> int:
@@ -34,7 +35,7 @@ def free_port(host: str) -> int:
 
 def streamlit_command(host: str, port: int) -> list[str]:
     return [sys.executable, "-m", "streamlit", "run", str(APP), "--server.address", host, "--server.port", str(port),
-            "--server.headless", "true", "--browser.gatherUsageStats", "false"]
+            "--server.headless", "true", "--browser.gatherUsageStats", "false", "--client.toolbarMode", "viewer"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,10 +1,12 @@
-"""What the pages share: the client, the examples, the last batch; no drawing here.
+"""What the pages share: the client, the sampler, the examples, the last batch; no drawing here.
 
 The client is the one in ``st.session_state["client"]`` if there is one (tests
 put a fake there), else one ``DisaggregatedClient`` per config for the whole
 server process, on the config named by ``$DISAGG_GRADER_CONFIG`` (the launcher
 sets it; it points at the embedded cluster's ports when it started one),
-``$DISAGG_CONFIG`` or ``config_current.json``.
+``$DISAGG_CONFIG`` or ``config_current.json``. The sampler (``observe.Sampler``:
+every server's ``/health`` and ``/metrics`` every few seconds) is likewise the
+session's (a test's) or one per config for the process, started on first use.
 """
 from __future__ import annotations
 
@@ -63,6 +65,27 @@ def get_client():
     if client is not None:
         return client
     return _shared_client(config_path())
+
+
+SAMPLE_SECONDS = 5.0  # between the sampler's sweeps of every server (8 small GETs for 4 servers)
+
+
+@st.cache_resource(show_spinner=False)
+def _shared_sampler(path: str):
+    from ..observe.sampler import Sampler
+
+    return Sampler(_shared_client(path).config, interval=SAMPLE_SECONDS).start()
+
+
+def get_sampler():
+    """The sampler of this session (a test's) or the process-wide one for the client's config; None for
+    a client without a config (a test's fake without a sampler)."""
+    sampler = st.session_state.get("sampler")
+    if sampler is not None:
+        return sampler
+    if st.session_state.get("client") is not None:
+        return None
+    return _shared_sampler(config_path())
 
 
 def healthy(server: dict) -> bool:

@@ -1,0 +1,300 @@
+"""Every benchmark under benchmarks/ runs (``--quick --json``) and its JSON holds together.
+
+Each script runs as a subprocess with this interpreter, in seconds (tiny sizes, a generated tiny
+model where the answers do not matter; see benchmarks/quick.py), and its output is checked against
+itself: the counts it reports match the rows it printed, each ratio is the quotient of the figures it
+names, and each baseline did the work it claims (handoff.py's cold recompute evaluated every prompt
+token; its handoff evaluated one). Nothing here asserts a speed: benchmarks measure, tests check.
+A benchmark that breaks fails here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HELPERS = {"quick", "serving_metrics"}  # modules the benchmarks share, not benchmarks
+
+# the SLOs throughput.py's quick run is given: goodput is checked against its per-request figures
+SLOS = {"ttft": 2000.0, "tpot": 100.0}
+
+
+def run_quick(script: str, *extra: str, timeout: float = 600) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    try:
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--json", *extra],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{script} --quick ran past {timeout:g} s; stderr:\n{(exc.stderr or b'')[-3000:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"{script} --quick exited {proc.returncode}; stderr:\n{proc.stderr[-4000:]}")
+    try:
+        return json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        pytest.fail(f"{script} --quick printed no single JSON object on stdout:\n{proc.stdout[-2000:]}")
+
+
+def quotient(ratio, a, b, digits: int, ratio_digits: int = 3) -> bool:
+    """Whether ``ratio`` (rounded to ``ratio_digits``) is a / b for the true values behind ``a`` and
+    ``b``, which were printed rounded to ``digits`` decimals."""
+    half, slack = 0.5 * 10 ** -digits, 0.5 * 10 ** -ratio_digits + 1e-9
+    return (a - half) / (b + half) - slack <= ratio <= (a + half) / max(b - half, 1e-12) + slack
+
+
+@pytest.mark.slow
+def test_handoff():
+    out = run_quick("handoff.py")
+    assert out["quick"] is True and out["decode_prefix_cache"] is True
+    rows = out["results"]
+    assert len(rows) == 2 and rows[0]["prompt_tokens"] < rows[1]["prompt_tokens"]
+    for r in rows:
+        assert r["runs"] == 2 and r["reprefill_runs"] == 1
+        assert r["handoff_recomputed"] == 1  # the handoff evaluated one prompt token
+        # the cold recompute evaluated every prompt token: nothing was cached on its server
+        assert r["reprefill_cold_recomputed"] == r["prompt_tokens"]
+        # the warm one reused the cached start and evaluated the rest
+        assert r["reprefill_warm_cached"] > 0
+        assert r["reprefill_warm_cached"] + r["reprefill_warm_recomputed"] == r["prompt_tokens"]
+        assert quotient(r["speedup_vs_cold"], r["reprefill_cold_ttft_s"], r["handoff_ttft_s"], 6, 6)
+        assert quotient(r["speedup_vs_warm"], r["reprefill_warm_ttft_s"], r["handoff_ttft_s"], 6, 6)
+        assert r["kv_bytes"] > 0 and r["handoff_gbps"] > 0 and r["loopback_gbps"] > 0
+        assert r["export_s"] > 0 and r["transfer_s"] > 0 and r["import_s"] > 0
+    # the state grows by the same bytes per token at both sizes (the prompt's KV, all of it)
+    per_token = [r["kv_bytes"] / (r["prompt_tokens"] - 1) for r in rows]
+    assert per_token[0] == pytest.approx(per_token[1], rel=0.02)
+    memory = out["memory"]
+    assert memory["kv_bytes"] == rows[-1]["kv_bytes"]  # the same prompt, exported in this process
+    assert memory["prefill_peak_copies"] >= 1 and memory["decode_peak_copies"] >= 1
+    assert out["loopback_gbps"] > 0 and out["loopback_bulk_gbps"] > 0 and out["memory_copy_gbps"] > 0
+
+
+def check_serving(level: dict) -> None:
+    """A level's ``serving`` block against its per-request figures (``requests_detail``)."""
+    s, detail = level["serving"], level["requests_detail"]
+    done = [d for d in detail if d["ok"]]
+    assert len(detail) == level["requests"] == s["completed"] + s["failed"]
+    assert s["failed"] == level["failed"] == 0
+    assert s["duration"] == pytest.approx(level["wall_s"], abs=1e-4)
+    assert s["total_output_tokens"] == sum(d["output_tokens"] for d in done)
+    assert s["total_input_tokens"] == sum(d["prompt_tokens"] for d in done)
+    assert all(0 < d["output_tokens"] <= 16 for d in done)  # --max-tokens 16
+    assert s["request_throughput"] == pytest.approx(s["completed"] / s["duration"], rel=1e-3)
+    assert s["output_throughput"] == pytest.approx(s["total_output_tokens"] / s["duration"], rel=1e-3)
+    assert level["completion_tok_s"] == pytest.approx(s["output_throughput"], rel=2e-3)
+    for d in done:  # vLLM's definitions, request by request
+        assert d["e2el_ms"] >= d["ttft_ms"] > 0
+        # one gap fewer than pieces, and a piece carries a token or more (a held stop-string tail may add one)
+        assert len(d["itl_ms"]) <= d["output_tokens"] and all(g >= 0 for g in d["itl_ms"])
+        if d["output_tokens"] > 1:
+            assert d["tpot_ms"] == pytest.approx((d["e2el_ms"] - d["ttft_ms"]) / (d["output_tokens"] - 1), abs=2e-3)
+        else:
+            assert d["tpot_ms"] is None
+    ttft = [d["ttft_ms"] for d in done]
+    itl = [g for d in done for g in d["itl_ms"]]
+    tpot = [d["tpot_ms"] for d in done if d["tpot_ms"] is not None]
+    e2el = [d["e2el_ms"] for d in done]
+    for name, values in (("ttft", ttft), ("itl", itl), ("tpot", tpot), ("e2el", e2el)):
+        assert s[f"mean_{name}_ms"] == pytest.approx(statistics.fmean(values), abs=2e-3)
+        assert s[f"median_{name}_ms"] == pytest.approx(statistics.median(values), abs=2e-3)
+        assert s[f"p99_{name}_ms"] == pytest.approx(float(np.percentile(values, 99)), abs=2e-3)
+    good = sum(1 for d in done if d["ttft_ms"] <= SLOS["ttft"] and (d["tpot_ms"] or 0.0) <= SLOS["tpot"])
+    assert s["slo_ms"] == SLOS and s["good_requests"] == good
+    assert s["request_goodput"] == pytest.approx(good / s["duration"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_throughput():
+    out = run_quick("throughput.py", *[f"--slo={k}:{v:g}" for k, v in SLOS.items()])
+    assert out["quick"] is True and out["slo_ms"] == SLOS
+    assert set(out["bare_tok_s"]) == {"1", "8"}
+    assert len(out["engine_rounds"]) == 1
+    r = out["engine_rounds"][0]
+    for side in ("owner_8", "server_8"):
+        # ignore_eos: every one of the 8 sequences generated its whole budget
+        assert r[side]["sequences"] == 8 and r[side]["completion_tokens"] == 8 * out["engine_tokens"]
+        assert r[side]["pieces_all_active"] <= r[side]["completion_tokens"]
+        rate = r[side]["all_active_tok_s"]
+        assert rate is None or rate == pytest.approx(r[side]["pieces_all_active"] / r[side]["all_active_s"], rel=0.01)
+        ratio = r[f"{side}_over_bare_8"]
+        assert ratio is None or quotient(ratio, rate, r["bare_8_tok_s"], 1)
+    targets = out["targets"]
+    assert targets["server_8_over_bare_8"] == r["server_8_over_bare_8"]  # the median of one round
+    clusters = {"slots": out["slots"], "single_slot": out["single_slot"]}
+    assert clusters["single_slot"]["parallel"] == 1
+    for cluster in clusters.values():
+        assert [lv["concurrency"] for lv in cluster["levels"]] == [1, 8]
+        for level in cluster["levels"]:
+            assert level["requests"] == max(level["concurrency"], 4)
+            check_serving(level)
+    one, eight = (clusters["slots"]["levels"][i] for i in (0, 1))
+    assert quotient(targets["tok_s_8_over_1"], eight["completion_tok_s"], one["completion_tok_s"], 2)
+    single_eight = clusters["single_slot"]["levels"][1]
+    assert quotient(targets["tok_s_8_slots_over_single_slot"], eight["completion_tok_s"],
+                    single_eight["completion_tok_s"], 2)
+
+
+@pytest.mark.slow
+def test_routing():
+    out = run_quick("routing.py")
+    rows = out["results"]
+    assert out["quick"] is True and out["repeat"] == 1 and len(rows) == 2
+    for r in rows:
+        ttft = {m: r[f"{m}_ttft_s"] for m in ("auto", "handoff", "decode_only")}
+        kept = {m: len(v) for m, v in r["runs_ttft_s"].items()}
+        assert all(kept[m] + r["runs_astray"][m] == out["repeat"] for m in kept)
+        assert r["better_path"] == min(("handoff", "decode_only"), key=ttft.get)
+        best = ttft[r["better_path"]]
+        assert quotient(r["auto_vs_best"], ttft["auto"], best, 4)
+        assert r["choice"] in r["auto_paths"] and r["choice_matched_better"] == (r["choice"] == r["better_path"])
+        pooled = r["pooled_ttft_s"]
+        charged = statistics.fmean(pooled[p] for p in r["auto_paths"])
+        assert quotient(r["policy_vs_best"], charged, min(pooled.values()), 4)
+        assert r["canary"] == ["passed"] and r["kv_bytes"] > 0
+    assert out["target_met"] == all(r["policy_vs_best"] <= out["target"] for r in rows)
+    assert out["runs_astray"] == sum(sum(r["runs_astray"].values()) for r in rows)
+
+
+@pytest.mark.slow
+def test_failover():
+    out = run_quick("failover.py")
+    sustained, failover, fallback = out["sustained"], out["failover"], out["fallback"]
+    assert sustained["requests"] > 0 and sustained["errors"] == 0  # no fault injected: no error
+    assert sustained["error_rate"] == sustained["errors"] / sustained["requests"]
+    assert sustained["requests_per_s"] == pytest.approx(sustained["requests"] / sustained["seconds"], abs=0.01)
+    window = out["seconds_after_kill"]
+    for phase, key in ((failover, "time_to_first_answer_via_other_prefill_s"),
+                       (fallback, "time_to_first_decode_only_answer_s")):
+        assert phase["requests_after_kill"] > 0 and 0 <= phase["errors"] <= phase["requests_after_kill"]
+        assert phase[key] is not None and 0 < phase[key] <= window + failover["slowest_request_across_the_kill_s"]
+
+
+@pytest.mark.slow
+def test_prefix():
+    out = run_quick("prefix.py")
+    rows = out["rows"]
+    assert out["quick"] is True and len(rows) == 2 * 3  # two rounds of three prompts
+    assert out["states_identical"] is True  # the cache's promise: bit-identical exported states
+    for r in rows:
+        assert r["state_identical"] is True and 0 <= r["cached_tokens"] < r["prompt_tokens"]
+    assert all(r["cached_tokens"] > 0 for r in rows if r["round"] == 2)  # the second pass finds its prompts
+    for key, selected in [("all", rows)] + [(None, [r for r in rows if r["round"] == n]) for n in (1, 2)]:
+        totals = out["all"] if key else out["per_round"][str(selected[0]["round"])]
+        assert totals["prompts"] == len(selected)
+        assert totals["prompt_tokens"] == sum(r["prompt_tokens"] for r in selected)
+        assert totals["cached_tokens"] == sum(r["cached_tokens"] for r in selected)
+        assert totals["no_cache_s"] == pytest.approx(sum(r["no_cache_s"] for r in selected), abs=2e-3)
+        assert quotient(totals["no_cache_over_cache"], totals["no_cache_s"], totals["cache_s"], 3)
+    assert out["median_prompt_ratio"] == pytest.approx(
+        statistics.median(r["no_cache_s"] / r["cache_s"] for r in rows), abs=1e-3)
+
+
+@pytest.mark.slow
+def test_canary():
+    out = run_quick("canary.py")
+    assert out["quick"] is True
+    for part in ("alone", "batched", "beside"):
+        assert len(out[part]) == 2
+    for part in ("alone", "batched", "beside", "damaged"):
+        for row in out[part]:  # the verdict is the divergence against the tolerance that applied
+            assert row["passed"] == (row["canary_divergence"] <= row["canary_tolerance"])
+    for row in out["alone"]:  # one handoff at a time restores the state bit for bit
+        assert row["passed"] and row["canary_divergence"] == 0.0 and row["canary_ms"] > 0
+    assert {r["damage"] for r in out["damaged"]} >= {"last 1.0% zeroed", "last 0.1% zeroed"}
+
+
+@pytest.mark.slow
+def test_engines():
+    pytest.importorskip("mlx_lm")  # every pair decodes on an MLX server
+    out = run_quick("engines.py")
+    assert out["quick"] is True and not out["interrupted"]
+    rows = out["results"]
+    assert len(rows) == len(out["pairs"]) * len(out["sizes"]) and out["pairs"]
+    for r in rows:
+        assert r["runs"] == out["repeat"] and r["canary"] == ["passed"]
+        assert quotient(r["handoff_vs_decode_only"], r["handoff_ttft_s"], r["decode_only_ttft_s"], 4)
+        assert r["kv_bytes_per_token"] == round(r["kv_bytes"] / (r["prompt_tokens"] - 1))
+        assert (r["convert_ms"] is None) == (r["pair"] == "mlx->mlx")  # MLX -> MLX converts nothing
+        if r["convert_ms"] is not None:
+            assert quotient(r["convert_ms_per_mb"], r["convert_ms"], r["kv_bytes"] / 1e6, 2)
+    throughput = out["prefill_throughput"]
+    if any(p.startswith("vllm->") for p in out["pairs"]):  # vLLM installed: its prefill against llama.cpp's
+        assert {(t["engine"], t["concurrency"]) for t in throughput} == {
+            (engine, c) for engine in ("vllm", "llama_cpp") for c in (1, 8)}
+        for t in throughput:
+            assert quotient(t["prompt_tokens_per_s"], t["prompt_tokens"], t["wall_s"], 3, 1)
+            assert t["prompt_tokens_cached"] == 0  # distinct prompts: neither prefix cache may help
+    else:
+        assert throughput == [] and "vllm->mlx" in out["left_out"]
+
+
+@pytest.mark.slow
+def test_grading():
+    out = run_quick("grading.py")
+    runs = out["runs"]
+    assert out["default_jobs"] == 2 and [r["jobs"] for r in runs] == [2, 4, 1]  # the default, twice it, 1
+    assert "meaningless" in out["models"]  # the quick run says its answers mean nothing
+    for r in runs:
+        assert r["notebooks"] == 4 == len(r["scores"]) == sum(r["statuses"].values())
+        assert r["notebooks_per_minute"] == pytest.approx(60 * r["notebooks"] / r["wall_s"], rel=0.01)
+        assert r["requests"] >= 2 * r["notebooks"] and r["errors"] == [] and r["fallbacks"] == 0  # both models each
+        assert max(r["most_busy"][f"local-decode-{m}"] for m in ("qwen", "gpt-oss")) <= r["jobs"]
+    best = max(runs, key=lambda r: r["notebooks_per_minute"])
+    assert out["best_jobs"] == best["jobs"]
+    assert quotient(out["default_vs_best"], runs[0]["notebooks_per_minute"], best["notebooks_per_minute"], 3)
+
+
+@pytest.mark.slow
+def test_hetero():
+    import llama_cpp
+
+    out = run_quick("hetero.py")
+    gpu = bool(llama_cpp.llama_supports_gpu_offload())
+    assert out["quick"] is True and out["gpu_skipped"] is (not gpu)
+    if not gpu:  # said plainly, and the run still happened on the CPU
+        assert out["skip_reason"] and out["mode"] == "cpu_only_smoke"
+    assert len(out["results"]) == 2
+    for r in out["results"]:
+        assert r["prompt_tokens_recomputed"] == 1 and 0 < r["completion_tokens"] <= out["max_new_tokens"]
+        ends = r["end_to_end_s"]
+        assert quotient(r["speedup_vs_cpu_only"], ends["cpu_only"], ends["handoff"], 4, 2)
+        for pair, equal in r["text_equal"].items():
+            other = r["texts"][pair.split("_vs_")[1]]
+            assert equal == (r["texts"]["handoff"] == other)
+            if equal:
+                assert r["chars_in_common"][pair] == len(other)
+    imported, exported = out["bundle_import"], out["exported_bundle"]
+    assert imported["fingerprint_accepted"] and imported["prompt_tokens"] == exported["prompt_tokens"]
+    assert 0 < imported["kv_bytes"] < exported["bytes"]  # the payload, inside the framed bundle
+
+
+@pytest.mark.slow
+def test_link():
+    # on loopback: the emulated link needs root and network namespaces (tests/test_link_benchmark.py makes one)
+    out = run_quick("link.py", "--loopback-only")
+    assert out["rate_gbit"] is None and out["tokens"] == [512] and out["rounds"] == 1
+    (model,) = out["models"]
+    assert model["model"] == "wide" and len(model["rows"]) == 1
+    for r in model["rows"]:
+        assert r["link"] == "loopback" and r["prompt_tokens"] <= r["tokens"] and r["kv_bytes"] > 0
+        # the streamed handoff happened, imported as it arrived, and answered as the whole one did
+        assert r["greedy_equal"] is True and r["import"] == ["progressive"] and r["canary"] == ["passed"]
+        assert 0 <= r["exposed_transfer_s"] and 0 < r["whole_transfer_s"]
+        assert quotient(r["exposed_vs_whole_transfer"], r["exposed_transfer_s"], r["whole_transfer_s"], 6)
+        assert quotient(r["after_prefill_vs_whole_transfer"], r["ttft_after_prefill_overlapped_s"],
+                        r["whole_transfer_s"], 6)
+
+
+def test_every_benchmark_is_run_here():
+    """A script added under benchmarks/ without a test above would break unnoticed."""
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - HELPERS
+    tested = {name.removeprefix("test_") for name in globals() if name.startswith("test_")}
+    assert scripts <= tested, f"benchmarks without a --quick test here: {sorted(scripts - tested)}"
+    for script in sorted(scripts):  # and each takes --quick (benchmarks/quick.py)
+        assert "quick.add_argument(" in (ROOT / "benchmarks" / f"{script}.py").read_text(), script
