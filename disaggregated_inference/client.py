@@ -329,13 +329,13 @@ class DisaggregatedClient:
     def generate(self, model: str, prompt: str | None = None, max_tokens: int = 256, temperature: float = 0.0, *,
                  messages: list | None = None, top_p: float = 1.0, seed: int | None = None, stop=None,
                  json_schema: dict | None = None, raw: bool = False, top_k: int | None = None,
-                 system: str | None = None, route: str | None = None) -> tuple[str, dict]:
+                 system: str | None = None, route: str | None = None, ignore_eos: bool = False) -> tuple[str, dict]:
         """One request; ``route`` ("auto", "handoff", "decode_only") overrides ``client.route`` for it."""
         started = time.perf_counter()
         model_key = self.config.resolve_model(model)
         source, sampling = _request_bodies(prompt, messages, raw, system=system, max_tokens=max_tokens,
                                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                                           json_schema=json_schema)
+                                           json_schema=json_schema, ignore_eos=ignore_eos)
         decision = self._route(model_key, source, route)
 
         def local(method: str) -> dict:
@@ -484,7 +484,7 @@ class DisaggregatedClient:
     def stream(self, model: str, prompt: str | None = None, max_tokens: int = 256, temperature: float = 0.0, *,
                messages: list | None = None, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
                stop=None, json_schema: dict | None = None, raw: bool = False, system: str | None = None,
-               on_route=None, route: str | None = None):
+               on_route=None, route: str | None = None, ignore_eos: bool = False):
         """Like ``generate``, but yield the text pieces as the decode server sends them, then the metrics dict.
 
         Routing, failover, the recompute of a lost KV and the decode-only fallback happen as in
@@ -499,7 +499,7 @@ class DisaggregatedClient:
         model_key = self.config.resolve_model(model)
         source, sampling = _request_bodies(prompt, messages, raw, system=system, max_tokens=max_tokens,
                                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                                           json_schema=json_schema)
+                                           json_schema=json_schema, ignore_eos=ignore_eos)
         sampling["stream"] = True
         decision = self._route(model_key, source, route)
 
@@ -664,7 +664,7 @@ def _raise_kv_lost(server: TrackedServer, exc: DisaggError) -> None:
 
 
 def _request_bodies(prompt, messages, raw, *, system=None, max_tokens, temperature, top_p, top_k=None, seed=None,
-                    stop=None, json_schema=None) -> tuple[dict, dict]:
+                    stop=None, json_schema=None, ignore_eos=False) -> tuple[dict, dict]:
     """The prompt part (for /prefill and /generate) and the sampling part (for /decode) of a request."""
     if (prompt is None) == (messages is None):
         raise BadRequest("give prompt or messages", field="prompt")
@@ -682,6 +682,8 @@ def _request_bodies(prompt, messages, raw, *, system=None, max_tokens, temperatu
         sampling["stop"] = stop
     if json_schema is not None:
         sampling["json_schema"] = json_schema
+    if ignore_eos:  # exactly max_tokens (llama.cpp decode servers; others answer 400)
+        sampling["ignore_eos"] = True
     return source, sampling
 
 
