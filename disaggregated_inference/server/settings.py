@@ -28,6 +28,7 @@ class ServerSettings(cluster_config.ServerOptions):
     data_url: str | None = None  # base URL peers use to fetch KV from this server
     aliases: tuple = ()
     kv_peers: tuple = ()  # decode: the cluster's prefill servers (data_url or host:port), trusted KV sources
+    core_group: str = ""  # the servers sharing this one's cores (server/cores.py); "" = none
 
     @property
     def trusted_kv_sources(self) -> tuple:
@@ -63,17 +64,39 @@ def prefill_addresses(entries) -> tuple:
     return tuple(e.data_url or e.address for e in entries)
 
 
+def _machine(entry) -> str:
+    """Which machine a config's server runs on: its host, every loopback name counting as one."""
+    from ..ops.launch import is_loopback
+
+    return "loopback" if is_loopback(entry.host) else entry.host
+
+
+def cohosted(cfg: cluster_config.ClusterConfig, entry) -> list:
+    """The config's servers on ``entry``'s machine, itself included."""
+    return [other for other in (*cfg.prefill_servers, *cfg.decode_servers) if _machine(other) == _machine(entry)]
+
+
 def compute_threads(cfg: cluster_config.ClusterConfig, entry) -> int:
     """CPU threads the llama.cpp and transformers servers of the config that share ``entry``'s machine
-    compute with on OpenMP teams (its own included): servers whose host is the same, every loopback
-    name counting as one machine."""
-    from ..ops.launch import is_loopback, openmp_threads
+    compute with on OpenMP teams (its own included)."""
+    from ..ops.launch import openmp_threads
 
-    def machine(e):
-        return "loopback" if is_loopback(e.host) else e.host
+    return sum(openmp_threads(ModelSettings.from_dict(other.settings)) for other in cohosted(cfg, entry))
 
-    return sum(openmp_threads(ModelSettings.from_dict(other.settings))
-               for other in (*cfg.prefill_servers, *cfg.decode_servers) if machine(other) == machine(entry))
+
+def core_group(cfg: cluster_config.ClusterConfig, entry, share: bool) -> str:
+    """The group whose servers share ``entry``'s cores at run time (server/cores.py), or "" for none: the
+    config's llama.cpp servers on its machine, when ``share`` and they are the only ones computing on
+    OpenMP teams there (a transformers server's torch threads take no share, so the cores stay
+    counted the old way: ``ops/launch.py``'s ``openmp_wait``)."""
+    from ..ops.launch import openmp_threads
+
+    servers = cohosted(cfg, entry)
+    models = [ModelSettings.from_dict(other.settings) for other in servers]
+    if not share or ModelSettings.from_dict(entry.settings).backend != "llama_cpp" \
+            or any(m.backend != "llama_cpp" and openmp_threads(m) for m in models):
+        return ""
+    return f"{cfg.source}:{','.join(sorted(other.name for other in servers))}"
 
 
 def from_cluster(cfg: cluster_config.ClusterConfig, server_name: str, prefill_entries=None) -> ServerSettings:
@@ -87,8 +110,10 @@ def from_cluster(cfg: cluster_config.ClusterConfig, server_name: str, prefill_en
     model = ModelSettings.from_dict(entry.settings, name=entry.model)
     limits = {f.name: cfg.server[f.name] if f.default is None else type(f.default)(cfg.server[f.name])
               for f in fields(ServerSettings) if f.name in cfg.server}
-    limits["openmp_wait"] = openmp_wait(limits.get("openmp_wait", "auto"), compute_threads(cfg, entry))
-    return ServerSettings(role=entry.role, model=model, name=entry.name, data_url=entry.data_url,
+    group = core_group(cfg, entry, limits.get("share_cores", True))
+    limits["openmp_wait"] = openmp_wait(limits.get("openmp_wait", "auto"), compute_threads(cfg, entry),
+                                        shared=bool(group))
+    return ServerSettings(role=entry.role, model=model, name=entry.name, data_url=entry.data_url, core_group=group,
                           aliases=tuple(cfg.models[entry.model].get("aliases", ())),
                           kv_peers=prefill_addresses(cfg.prefill_servers if prefill_entries is None else prefill_entries),
                           **limits)
