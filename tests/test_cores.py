@@ -144,7 +144,8 @@ def _wait_for(condition, timeout=10.0):
     return condition()
 
 
-def test_owners_sharing_a_machine_step_with_their_share_and_take_it_all_back(board):
+def test_owners_sharing_a_machine_step_with_their_share_and_take_it_all_back(board, monkeypatch):
+    monkeypatch.setattr(cores.Contention, "COLLAPSED", 0.0)  # the fake's steps sleep: off CPU, not contended
     first, second = ThreadedFake(), ThreadedFake()
     owners = [_ready(ModelOwner(b, cores=CoreShare("g", 2, cores=2, path=board))) for b in (first, second)]
     try:
@@ -163,6 +164,48 @@ def test_owners_sharing_a_machine_step_with_their_share_and_take_it_all_back(boa
         for owner in owners:
             owner.shutdown()
     assert all(owner.cores._map is None for owner in owners)  # the slots were given back
+
+
+def test_steps_kept_off_the_cpu_by_other_work_drop_to_one_thread_for_a_while():
+    c = cores.Contention()
+
+    def steps(start, n, on_cpu, threads=2):  # n steps of 10 ms from ``start``, on a CPU ``on_cpu`` of the time
+        for i in range(n):
+            c.observe(threads, 0.010, 0.010 * on_cpu, now=start + i * 0.01)
+
+    steps(0.0, 50, 0.98)  # a free machine: the stepping thread is on a CPU all the time
+    assert not c.holds(0.5)
+    steps(0.5, 5, 0.1, threads=1)  # one thread: no barrier, nothing to learn
+    c.observe(2, 0.0005, 0.0, now=0.6)  # a step too short to say anything
+    steps(1.0, 5, 0.6)  # other work on the machine, but the stepping thread mostly runs: no hold
+    steps(1.05, 1, 0.1)
+    steps(1.06, 1, 0.6)  # one collapsed step between others is not enough
+    steps(1.07, 1, 0.1)
+    assert not c.holds(1.08)
+    steps(1.08, 1, 0.1)  # two in a row are: one thread for 2 s, then all again
+    assert c.holds(1.09) and c.holds(3.0) and not c.holds(3.1)
+    steps(3.1, 2, 0.05)  # still collapsed: the hold doubles
+    assert c.holds(7.0) and not c.holds(7.2)
+    steps(7.2, 60, 0.5)  # neither collapsed nor free for long: the hold keeps growing
+    steps(7.8, 2, 0.05)
+    assert c.holds(15.7) and not c.holds(15.9)
+    steps(16.0, 300, 0.97)  # then the cores stay free for 3 s
+    steps(19.0, 2, 0.05)
+    assert c.holds(20.9) and not c.holds(21.1)  # the next hold starts short again
+    assert c.count == 4
+
+
+def test_a_contended_server_takes_one_thread_whatever_its_share(board):
+    share = CoreShare("g", 2, cores=2, path=board)
+    try:
+        assert share.threads() == 2
+        for _ in range(2):  # two collapsed steps
+            share.stepped(2, 0.010, 0.0005)
+        assert share.threads() == 1
+        facts = share.describe()
+        assert facts["contended"] and facts["contended_holds"] == 1 and facts["threads"] == 2
+    finally:
+        share.close()
 
 
 def test_for_server_needs_a_group_and_a_batched_backend_that_sets_threads(board, monkeypatch):

@@ -33,10 +33,13 @@ each step a server takes all its threads while the busy servers' threads fit
 the cores, and its share of them (one thread each, on two cores) while they do
 not. Their threads then never outnumber the cores, and they spin
 (``openmp_wait: auto``), at most ``SHARED_SPIN_COUNT`` rounds (libgomp's
-``GOMP_SPINCOUNT``) before they sleep: long enough to cover the wait at a
-barrier within a step, short enough that a thread whose server has just gone
-idle, or whose core another program wants, gives it up. Measured on the
-development machine (docs/benchmarks.md, "Against llama.cpp's own server").
+``GOMP_SPINCOUNT``) before they sleep: long enough to cover the waits at the
+barriers of a step, short enough that a thread whose server has just gone
+idle soon gives its core up (libgomp's default, 300,000 rounds, is
+milliseconds). Other programs can still take the cores a spinning thread's
+partner needs; a server whose steps show it (``cores.Contention``) computes
+with one thread for a while. Measured on the development machine
+(docs/benchmarks.md, "Against llama.cpp's own server").
 Without sharing (``share_cores: false``, or a transformers server on the
 machine, whose torch threads are an OpenMP team too and take no share),
 ``auto`` sleeps when the config's llama.cpp and transformers servers on this
@@ -56,9 +59,10 @@ import platform
 import sys
 
 TUNABLES = "GLIBC_TUNABLES"
-# libgomp's spin rounds at a barrier before a thread sleeps, for servers that share their cores (its
-# default is 300,000: milliseconds). See "Sharing the cores" above.
-SHARED_SPIN_COUNT = 1000
+# libgomp's spin rounds at a barrier before a thread sleeps, for servers that share their cores: 10,000
+# kept one model at the engine's speed where 1,000 lost a sixth of it, and two busy models as fast as
+# 1,000 did, while libgomp's default (300,000) lost to both there (docs/benchmarks.md).
+SHARED_SPIN_COUNT = 10000
 NON_TEMPORAL = "glibc.cpu.x86_non_temporal_threshold"
 MIN_NON_TEMPORAL_BYTES = 0x4040  # glibc ignores a smaller threshold
 

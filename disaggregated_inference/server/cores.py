@@ -22,6 +22,10 @@ servers of other clusters on the machine neither count nor are counted; a slot w
 died is taken over, and a dead process's busy flag is ignored. Reads are plain memory reads:
 a step costs a few microseconds of bookkeeping.
 
+Other programs on the machine are not on the board. A server whose own multi-threaded steps
+collapse (its stepping thread off a CPU most of the step: the partner it waits for has no core)
+computes with one thread for a while (``Contention``).
+
 A thread count also changes llama.cpp's CPU numerics past a few hundred cells (attention splits a
 query's cells across threads): the backend names the count a canary was computed with, and a
 check against another count uses the same-engine tolerance (kv/canary.py).
@@ -88,6 +92,52 @@ def _alive(pid: int) -> bool:
     return True
 
 
+class Contention:
+    """Whether other programs hold the cores a server's threads need, judged from its own steps.
+
+    The board keeps the servers of a cluster from outnumbering the cores; other programs on the
+    machine can still do it, and a thread that spins at a barrier while its partner waits for a core
+    wastes its own. The thread that runs a step computes or spins through the whole step while it
+    has a core; a step it spent less than ``COLLAPSED`` of on a CPU collapsed (it spun, then slept
+    until its partner got a core). After ``STEPS`` such multi-threaded steps in a row the server
+    computes with one thread, which has no barrier to wait at, for ``hold`` seconds, then tries all
+    its threads again; the hold doubles (to ``HOLD_MAX``) each time the try collapses too, and starts
+    again from ``HOLD_MIN`` once the steps have run on a CPU ``FREE`` of their time for ``HOLD_MIN``.
+    """
+
+    COLLAPSED, FREE = 0.4, 0.8
+    STEPS = 2
+    HOLD_MIN, HOLD_MAX = 2.0, 32.0
+    MIN_STEP = 0.001  # shorter steps say too little
+
+    def __init__(self):
+        self.collapsed = 0  # collapsed steps in a row
+        self.until = 0.0  # one thread until then
+        self.hold = self.HOLD_MIN
+        self.free_since: float | None = None
+        self.count = 0  # holds so far
+
+    def holds(self, now: float) -> bool:
+        return now < self.until
+
+    def observe(self, threads: int, wall: float, cpu: float, now: float) -> None:
+        if threads <= 1 or wall < self.MIN_STEP:
+            return
+        on_cpu = cpu / wall
+        if on_cpu >= self.FREE:
+            self.free_since = self.free_since or now
+            if now - self.free_since > self.HOLD_MIN:  # the cores stayed free: the next hold starts short
+                self.hold = self.HOLD_MIN
+        else:
+            self.free_since = None
+        self.collapsed = self.collapsed + 1 if on_cpu < self.COLLAPSED else 0
+        if self.collapsed >= self.STEPS:
+            self.until, self.collapsed = now + self.hold, 0
+            self.hold = min(2 * self.hold, self.HOLD_MAX)
+            self.count += 1
+            log.info("other work holds the cores: computing with one thread for %.0f s", self.until - now)
+
+
 class CoreShare:
     """This server's slot on the board of its machine; ``threads()`` before each step, ``idle()`` when
     it has nothing to compute. ``close()`` frees the slot."""
@@ -115,6 +165,7 @@ class CoreShare:
         finally:
             os.close(fd)
         self._busy = False
+        self.contention = Contention()
         self._members: list[int] = []
         self._scanned_at = -RESCAN_SECONDS
         self._alive: dict[int, tuple[bool, float]] = {}
@@ -158,7 +209,13 @@ class CoreShare:
         if not self._busy:
             self._board[self.slot * FIELDS + BUSY] = 1
             self._busy = True
-        return thread_share(self.cores, self.wanted, self._peers_wanting(time.monotonic()))
+        now = time.monotonic()
+        share = thread_share(self.cores, self.wanted, self._peers_wanting(now))
+        return 1 if self.contention.holds(now) else share
+
+    def stepped(self, threads: int, wall: float, cpu: float) -> None:
+        """A step took ``wall`` seconds, ``cpu`` of them on a CPU for the thread that ran it."""
+        self.contention.observe(threads, wall, cpu, time.monotonic())
 
     def idle(self) -> None:
         """Nothing to compute until new work comes."""
@@ -169,6 +226,12 @@ class CoreShare:
     def busy_peers(self) -> int:
         """How many other servers of the group are computing now (diagnostics)."""
         return len(self._peers_wanting(time.monotonic()))
+
+    def describe(self) -> dict:
+        """For /health: the machine's cores, this server's threads, its busy peers, the one-thread holds."""
+        now = time.monotonic()
+        return {"cores": self.cores, "threads": self.wanted, "busy_peers": len(self._peers_wanting(now)),
+                "contended": self.contention.holds(now), "contended_holds": self.contention.count}
 
     def close(self) -> None:
         if self._map is None:

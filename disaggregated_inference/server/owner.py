@@ -272,6 +272,7 @@ class ModelOwner:
                 continue
             if self.cores is not None:
                 self._take_cores()
+                wall, cpu = time.perf_counter(), time.thread_time()
             try:
                 n = self.backend.evaluate([t.pending for t in pending])
             except Exception as exc:
@@ -279,6 +280,8 @@ class ModelOwner:
                 for task in pending:
                     self._finish(task, active, ("error", exc))
                 continue
+            if self.cores is not None:
+                self.cores.stepped(self.compute_threads, time.perf_counter() - wall, time.thread_time() - cpu)
             self.steps += 1
             self.batch_tokens.append(n)
             self.on_step(len(pending), n)

@@ -129,6 +129,7 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
             "queued": owner.queued,
             "slots": owner.slot_stats(),
             "compute_threads": owner.compute_threads,  # of the last step, where the cores are shared
+            "core_share": owner.cores.describe() if owner.cores is not None else None,
             "uptime_s": round(time.time() - st.started_at, 1),
             "non_temporal_copy_bytes": copy_tunable_in_effect(),
             "version": __version__,
