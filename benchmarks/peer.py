@@ -1,7 +1,12 @@
 """Against llama.cpp's own server: the decode server and the gateway side by side with ``llama-server``.
 
-    .venv/bin/python benchmarks/peer.py --json           # ~15 minutes on 2 quiet cores (+ ~10 the first time: build)
-    .venv/bin/python benchmarks/peer.py --quick --json   # under a minute: tiny model; the peer only if already built
+    .venv/bin/python benchmarks/peer.py --json           # ~15-18 minutes on 2 cores (+ ~10 the first time: build)
+    .venv/bin/python benchmarks/peer.py --quick --json   # ~10 s: tiny model; the peer only if already built
+
+``--quick`` is CI's smoke test: the generated tiny model (tests/tiny_models.py) under both model
+names, 2 requests of 8 tokens (decode-bound) and of ~150 + 4 (prompt-bound), 1 and 2 at once, one
+round; it never builds llama-server (minutes), so without a cached one the peer's rows are skipped
+and the JSON says why. Its figures prove the benchmark runs; they measure nothing to quote.
 
 The peer is ``llama-server`` built from the source distribution of the llama-cpp-python the project
 runs (the same llama.cpp), with the same CMake flags (``scripts/build_llama_server.sh``; built once,
@@ -26,15 +31,21 @@ model's servers idle) and with both busy (for the peer, two llama-servers side b
 gives each model the whole workload at once, prompt-bound 8 prompts each (the same 16 in all).
 Each cell runs the three endpoints back to back, in an order rotated per round, so that every
 ratio compares figures taken within a minute of each other; decode-bound cells run ``--rounds``
-rounds, prompt-bound ``--prompt-rounds``. Every prompt starts with a number unique to its round
-and endpoint, so no prompt cache (ours or llama-server's) serves any of them.
+rounds with one model busy and ``--both-rounds`` with both, prompt-bound ``--prompt-rounds``.
+Every prompt starts with a number unique to its round and endpoint, so no prompt cache (ours or
+llama-server's) serves any of them. An endpoint that has not finished a cell after
+``--max-cell-seconds`` (one that collapsed: two llama-servers side by side on two cores do) is cut
+there: its streams are closed, their pieces counted, the row marked ``incomplete``.
 
 JSON: ``rows`` (``endpoint``, ``workload``, ``concurrency``, ``busy_models``, ``round``,
-``gen_tok_s`` = completion tokens of the cell over ``wall_s``, requests, tokens, failures),
+``gen_tok_s`` = completion tokens of the cell over ``wall_s``, requests, tokens, failures, the
+endpoint's processes' CPU milliseconds per token),
 ``cells`` (medians over rounds and each cell's ``speed_vs_peer``: the median of the rounds' own
 ratios of ``gen_tok_s`` to llama-server's), and ``targets`` (issue 36: the decode server >= 0.9x
 of llama-server in the four one-model cells; both models busy, decode-bound 8 at once, >= 109 tok/s
-combined and >= 0.9x of two llama-servers).
+combined and >= 0.9x of two llama-servers); ``servers``: each of our servers' wait policy and,
+from its /health at the end, its core share (``contended_holds``: how often other programs' load
+held it to one thread).
 """
 from __future__ import annotations
 
@@ -438,11 +449,13 @@ def main(argv=None) -> int:
                         help="under a minute: the tiny generated model under both names, a few short requests, "
                              "1 and 2 at once, one round; llama-server only if already built. Proves the "
                              "benchmark runs; measures nothing to quote")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of the decode-bound cells")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of the decode-bound cells with one model busy")
+    parser.add_argument("--both-rounds", type=int, default=1, help="rounds of the decode-bound cells with both busy")
     parser.add_argument("--prompt-rounds", type=int, default=1, help="rounds of the prompt-bound cells")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--slots", type=int, default=4, help="parallel requests per server (llama-server -np)")
     parser.add_argument("--workloads", nargs="*", default=["decode-bound", "prompt-bound"])
+    parser.add_argument("--endpoints", nargs="*", default=list(ENDPOINTS), choices=ENDPOINTS)
     parser.add_argument("--busy", type=int, nargs="*", default=[1, 2], help="models busy at once: 1, 2 or both")
     parser.add_argument("--llama-server", help="a llama-server binary (default: the one build_llama_server.sh caches)")
     parser.add_argument("--no-build", action="store_true", help="skip the peer instead of building it")
@@ -454,7 +467,7 @@ def main(argv=None) -> int:
     parser.add_argument("--peer-env", action="append", default=[], metavar="NAME=VALUE",
                         help="an environment variable for llama-server only (default: this process's environment, "
                              "as a user runs it), e.g. GOMP_SPINCOUNT=1000 for the spin count ours uses")
-    parser.add_argument("--max-cell-seconds", type=float, default=120.0,
+    parser.add_argument("--max-cell-seconds", type=float, default=90.0,
                         help="cut a cell after this long (an endpoint that collapsed): its row is marked incomplete")
     parser.add_argument("--autogroup-nice", type=int, help="Linux: niceness of this run's sessions (root for < 0)")
     args = parser.parse_args(argv)
@@ -465,12 +478,13 @@ def main(argv=None) -> int:
 
     if args.quick:
         workloads = [Workload("decode-bound", 2, 8), Workload("prompt-bound", 2, 4, lines=3, split=True)]
-        levels, rounds, prompt_rounds, tiny = (1, 2), 1, 1, tiny_model()
+        levels, rounds, both_rounds, prompt_rounds, tiny = (1, 2), 1, 1, 1, tiny_model()
     else:
         workloads = [Workload("decode-bound", 8, 192), Workload("prompt-bound", 16, 48, lines=24, split=True)]
-        levels, rounds, prompt_rounds, tiny = (1, 8), args.rounds, args.prompt_rounds, None
+        levels, rounds, both_rounds, prompt_rounds, tiny = (1, 8), args.rounds, args.both_rounds, args.prompt_rounds, None
     workloads = [w for w in workloads if w.name in args.workloads]
-    binary, skipped = peer_binary(args.llama_server, build=not (args.quick or args.no_build))
+    binary, skipped = (peer_binary(args.llama_server, build=not (args.quick or args.no_build)) if PEER in args.endpoints
+                       else (None, "not asked for (--endpoints)"))
     if skipped:
         say(f"peer skipped: {skipped}")
 
@@ -508,6 +522,7 @@ def main(argv=None) -> int:
             if peers:
                 endpoints.insert(0, Endpoint(PEER, ask_llama_server, {m: p.url for m, p in zip(model_names, peers)},
                                              [p.proc.pid for p in peers]))
+            endpoints = [e for e in endpoints if e.name in args.endpoints]
             policy = {p.entry.name: {"openmp_wait": p.settings.openmp_wait, "shares_cores": bool(p.settings.core_group)}
                       for p in cluster.processes}
             say(f"ready; our servers: {policy}")
@@ -516,9 +531,11 @@ def main(argv=None) -> int:
                 run_cell(endpoint, warm, 1, model_names, nonce=9999)
             nonce = 0
             for workload in workloads:
-                for r in range(rounds if workload.name == "decode-bound" else prompt_rounds):
+                for r in range(max(rounds, both_rounds) if workload.name == "decode-bound" else prompt_rounds):
                     for c in levels:
                         for busy in [b for b in args.busy if b <= len(model_names)]:
+                            if workload.name == "decode-bound" and r >= (rounds if busy == 1 else both_rounds):
+                                continue
                             order = endpoints[r % len(endpoints):] + endpoints[:r % len(endpoints)]
                             for endpoint in order:
                                 nonce += 1
@@ -529,6 +546,9 @@ def main(argv=None) -> int:
                                 say(f"{workload.name} round {r + 1} c={c} busy={busy} {endpoint.name}: "
                                     f"{row['gen_tok_s']} tok/s, {row['wall_s']} s"
                                     + (f", {row['failed']} FAILED: {row['errors'][0]}" if row["failed"] else ""))
+            for p in cluster.processes:  # whether any server computed with one thread for other programs' load
+                health = requests.get(f"{p.url}/health", timeout=10).json()
+                policy[p.entry.name]["core_share"] = health.get("core_share")
         finally:
             for peer in peers:
                 peer.stop()
