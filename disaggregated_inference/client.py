@@ -528,7 +528,7 @@ class DisaggregatedClient:
                  json_schema: dict | None = None, raw: bool = False, top_k: int | None = None,
                  system: str | None = None, route: str | None = None, tools: list | None = None,
                  tool_choice=None, reasoning_effort: str | None = None,
-                 reasoning_budget: int | None = None) -> tuple[str, dict]:
+                 reasoning_budget: int | None = None, ignore_eos: bool = False) -> tuple[str, dict]:
         """One request; ``route`` ("auto", "handoff", "decode_only") overrides ``client.route`` for it.
 
         The text is the answer alone. A model that reasons (gpt-oss) returns its chain of thought in
@@ -537,13 +537,15 @@ class DisaggregatedClient:
         it (tokens; by default half of ``max_tokens``), after which the model is moved on to its answer.
         ``tools`` (functions in the OpenAI API's shape) may be called: the calls are in
         ``metrics["tool_calls"]`` (``{"name", "arguments"}``, the arguments as JSON text) and
-        ``finish_reason`` is ``tool_calls``; ``tool_choice`` is auto, none, required or a function."""
+        ``finish_reason`` is ``tool_calls``; ``tool_choice`` is auto, none, required or a function.
+        ``ignore_eos``: exactly ``max_tokens`` (llama.cpp decode servers; others answer 400), for benchmarks."""
         started = time.perf_counter()
         model_key = self.config.resolve_model(model)
         source, sampling = _request_bodies(prompt, messages, raw, system=system, max_tokens=max_tokens,
                                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                                            json_schema=json_schema, tools=tools, tool_choice=tool_choice,
-                                           reasoning_effort=reasoning_effort, reasoning_budget=reasoning_budget)
+                                           reasoning_effort=reasoning_effort, reasoning_budget=reasoning_budget,
+                                           ignore_eos=ignore_eos)
         self.check_request(source, sampling)
         decision = self._route(model_key, source, route)
 
@@ -673,7 +675,8 @@ class DisaggregatedClient:
                messages: list | None = None, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
                stop=None, json_schema: dict | None = None, raw: bool = False, system: str | None = None,
                on_route=None, route: str | None = None, tools: list | None = None, tool_choice=None,
-               reasoning_effort: str | None = None, reasoning_budget: int | None = None, parts: bool = False):
+               reasoning_effort: str | None = None, reasoning_budget: int | None = None, parts: bool = False,
+               ignore_eos: bool = False):
         """Like ``generate``, but yield the text pieces as the decode server sends them, then the metrics dict.
 
         The pieces are the answer's. With ``parts``, the reasoning and the tool calls come too, as they
@@ -693,7 +696,8 @@ class DisaggregatedClient:
         source, sampling = _request_bodies(prompt, messages, raw, system=system, max_tokens=max_tokens,
                                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                                            json_schema=json_schema, tools=tools, tool_choice=tool_choice,
-                                           reasoning_effort=reasoning_effort, reasoning_budget=reasoning_budget)
+                                           reasoning_effort=reasoning_effort, reasoning_budget=reasoning_budget,
+                                           ignore_eos=ignore_eos)
         self.check_request(source, sampling)
         sampling["stream"] = True
         decision = self._route(model_key, source, route)
@@ -857,7 +861,7 @@ def _raise_kv_lost(server: TrackedServer, exc: DisaggError) -> None:
 
 def _request_bodies(prompt, messages, raw, *, system=None, max_tokens, temperature, top_p, top_k=None, seed=None,
                     stop=None, json_schema=None, tools=None, tool_choice=None, reasoning_effort=None,
-                    reasoning_budget=None) -> tuple[dict, dict]:
+                    reasoning_budget=None, ignore_eos=False) -> tuple[dict, dict]:
     """The prompt part (for /prefill and /generate) and the sampling part (for /decode) of a request. The tools
     go in both: the prompt renders them, the decode side reads the calls."""
     if (prompt is None) == (messages is None):
@@ -883,6 +887,8 @@ def _request_bodies(prompt, messages, raw, *, system=None, max_tokens, temperatu
     for key, value in (("tools", tools), ("tool_choice", tool_choice)):
         if value is not None:
             source[key] = sampling[key] = value
+    if ignore_eos:  # exactly max_tokens (llama.cpp decode servers; others answer 400)
+        sampling["ignore_eos"] = True
     return source, sampling
 
 

@@ -75,9 +75,12 @@ class ServerOptions:
     api_token: str | None = None
     threads: int = 32  # gunicorn request threads of each server: threads - 1 may wait for or hold a model slot
     # llama.cpp's CPU threads at a barrier: "spin" (OpenMP's default: spin briefly, then sleep), "sleep"
-    # (OMP_WAIT_POLICY=PASSIVE), or "auto": sleep only when the servers on one machine have more compute
-    # threads than it has cores (tuning.py)
+    # (OMP_WAIT_POLICY=PASSIVE), or "auto": spin while the servers on one machine share its cores
+    # (share_cores), else sleep only when they have more compute threads than it has cores (tuning.py)
     openmp_wait: str = "auto"
+    # the llama.cpp servers of the cluster on one machine compute with the threads that fit its cores:
+    # all of theirs while alone, a share while others are busy (server/cores.py)
+    share_cores: bool = True
     max_queue: int = 64  # requests waiting for a slot beyond which a server answers 503 at once
     # Trust and limits (docs/ARCHITECTURE.md, "Trust and limits")
     kv_sources: tuple = ()  # decode: hosts/URLs it may pull KV from besides the cluster's prefill servers

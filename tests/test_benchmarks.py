@@ -276,6 +276,31 @@ def test_grading():
 
 
 @pytest.mark.slow
+def test_peer():
+    """Runs against llama-server where one is already built (the quick run never builds it), else says why
+    the peer's rows are missing; every cell is the median of its rows, and each of ours is over the peer's."""
+    out = run_quick("peer.py")
+    rows, cells = out["rows"], out["cells"]
+    ours = {"decode-server", "gateway"}
+    peer_ran = out["peer"]["skipped"] is None
+    assert peer_ran or out["peer"]["skipped"]  # a reason, when skipped
+    assert {r["endpoint"] for r in rows} == ours | ({"llama-server"} if peer_ran else set())
+    for r in rows:
+        assert r["failed"] == 0 and r["completion_tokens"] == r["requests"] * (8 if r["workload"] == "decode-bound" else 4)
+        assert quotient(r["gen_tok_s"], r["completion_tokens"], r["wall_s"], 3, 2)
+    for c in cells:
+        same = [r for r in rows if all(r[k] == c[k] for k in ("workload", "concurrency", "busy_models", "endpoint"))]
+        assert c["rounds"] == len(same) == 1 and c["gen_tok_s"] == same[0]["gen_tok_s"]
+        peer = next((p for p in cells if p["endpoint"] == "llama-server"
+                     and all(p[k] == c[k] for k in ("workload", "concurrency", "busy_models"))), None)
+        if c["endpoint"] in ours and peer is not None:
+            assert quotient(c["speed_vs_peer"], c["gen_tok_s"], peer["gen_tok_s"], 2)
+        else:
+            assert c["speed_vs_peer"] is None
+    assert set(out["servers"]) == {f"local-{role}-{m}" for role in ("prefill", "decode") for m in ("qwen", "gpt-oss")}
+
+
+@pytest.mark.slow
 def test_hetero():
     import llama_cpp
 

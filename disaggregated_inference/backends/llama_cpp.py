@@ -281,6 +281,15 @@ class LlamaCppBackend(BatchedBackend):
         self._free.append(seq)
         self._free.sort(reverse=True)
 
+    def set_threads(self, threads: int) -> None:
+        """Compute with ``threads`` CPU threads from the next step on (the owner shares the machine's
+        cores between the servers on it: ``server/cores.py``). Canaries name the count in use."""
+        import llama_cpp
+
+        llama_cpp.llama_set_n_threads(self.ctx.ctx, threads, threads)
+        if self._threads is not None:
+            self._threads = threads
+
     def cached_prefixes(self) -> dict[int, int]:
         """Free slot -> how many prompt tokens of KV it holds for reuse (tests, diagnostics)."""
         return {seq: len(held) for seq, held in sorted(self._cached.items())}
