@@ -173,6 +173,31 @@ def test_failover():
                        (fallback, "time_to_first_decode_only_answer_s")):
         assert phase["requests_after_kill"] > 0 and 0 <= phase["errors"] <= phase["requests_after_kill"]
         assert phase[key] is not None and 0 < phase[key] <= window + failover["slowest_request_across_the_kill_s"]
+    for name, key in (("hang_prefill", "time_to_first_answer_via_other_server_s"),
+                      ("hang_decode", "time_to_first_failure_s")):
+        hang = out[name]
+        assert hang["frozen_s"] == window and hang["requests_while_frozen"] > 0
+        assert 0 <= hang["errors_while_frozen"] <= hang["requests_while_frozen"]
+        assert hang[key] is not None and 0 < hang[key] <= window
+        # thawed, the server serves again without a restart, within the run's last window
+        assert hang["time_from_thaw_to_first_answer_through_it_s"] is not None
+        assert 0 < hang["time_from_thaw_to_first_answer_through_it_s"] <= window
+    assert out["hang_prefill"]["errors_while_frozen"] == 0  # the other prefill server took the requests
+
+
+@pytest.mark.slow
+def test_slow_clients():
+    out = run_quick("slow_clients.py")
+    assert out["quick"] is True and set(out["workers"]) == {"gthread", "buffered"}
+    for name, row in out["workers"].items():
+        assert row["idle"]["failed_or_timed_out"] == 0, (name, row)
+        for kind in ("health", "generate"):
+            summary = row["slow"][kind]
+            assert summary["answered"] == 0 or summary["p50_ms"] <= summary["max_ms"]
+    buffered = out["workers"]["buffered"]["slow"]
+    # the buffered worker answers every probe beside the slow connections, and closes each of them
+    assert buffered["failed_or_timed_out"] == 0 and buffered["closed_by_server"] == out["connections"]
+    assert buffered["closed_after_s"] <= out["header_timeout_s"] + 5
 
 
 @pytest.mark.slow
@@ -248,6 +273,31 @@ def test_grading():
     best = max(runs, key=lambda r: r["notebooks_per_minute"])
     assert out["best_jobs"] == best["jobs"]
     assert quotient(out["default_vs_best"], runs[0]["notebooks_per_minute"], best["notebooks_per_minute"], 3)
+
+
+@pytest.mark.slow
+def test_peer():
+    """Runs against llama-server where one is already built (the quick run never builds it), else says why
+    the peer's rows are missing; every cell is the median of its rows, and each of ours is over the peer's."""
+    out = run_quick("peer.py")
+    rows, cells = out["rows"], out["cells"]
+    ours = {"decode-server", "gateway"}
+    peer_ran = out["peer"]["skipped"] is None
+    assert peer_ran or out["peer"]["skipped"]  # a reason, when skipped
+    assert {r["endpoint"] for r in rows} == ours | ({"llama-server"} if peer_ran else set())
+    for r in rows:
+        assert r["failed"] == 0 and r["completion_tokens"] == r["requests"] * (8 if r["workload"] == "decode-bound" else 4)
+        assert quotient(r["gen_tok_s"], r["completion_tokens"], r["wall_s"], 3, 2)
+    for c in cells:
+        same = [r for r in rows if all(r[k] == c[k] for k in ("workload", "concurrency", "busy_models", "endpoint"))]
+        assert c["rounds"] == len(same) == 1 and c["gen_tok_s"] == same[0]["gen_tok_s"]
+        peer = next((p for p in cells if p["endpoint"] == "llama-server"
+                     and all(p[k] == c[k] for k in ("workload", "concurrency", "busy_models"))), None)
+        if c["endpoint"] in ours and peer is not None:
+            assert quotient(c["speed_vs_peer"], c["gen_tok_s"], peer["gen_tok_s"], 2)
+        else:
+            assert c["speed_vs_peer"] is None
+    assert set(out["servers"]) == {f"local-{role}-{m}" for role in ("prefill", "decode") for m in ("qwen", "gpt-oss")}
 
 
 @pytest.mark.slow

@@ -8,8 +8,14 @@ Four verbs, each one a backend can honestly answer:
 - ``generate(prompt, sampling)``: the whole thing on this machine (fallback).
 - ``fingerprint()``: what a bundle from this backend must match to be imported.
 
-Tokenization is part of ``prefill``: Ollama has no public tokenizer endpoint, so
-a separate ``tokenize`` verb would be one that backend could not fill.
+``tokenize(prompt)`` gives a prompt's token ids where the engine has its own
+tokenizer (llama.cpp, and MLX and transformers through the GGUF's vocabulary):
+the server calls it on the request's own thread, before the request waits for
+the model, and passes the ids back in ``prompt.tokens``, so that rendering the
+chat template and tokenizing, work that a prompt's size decides, never holds the
+model's thread. Ollama has no public tokenizer endpoint: its ``tokenize`` answers
+None and its verbs take the prompt's text, as every verb also does when called
+with an untokenized prompt (tests, tools).
 
 What a backend hands over is declared by ``handoff_kind``: ``llama_seq_state``
 (the KV cache itself moves), ``neutral_kv`` (the K/V arrays in an engine-neutral
@@ -101,7 +107,9 @@ def settings_class(backend: str) -> type:
 @dataclass(frozen=True)
 class Prompt:
     """Either ``text`` (rendered as one user turn unless ``raw``) or chat ``messages`` (chat/conversation.py's
-    shapes); the ``tools`` offered and the ``reasoning_effort`` asked for are rendered with them."""
+    shapes); the ``tools`` offered and the ``reasoning_effort`` asked for are rendered with them. With
+    ``tokens`` once the server has tokenized it (``Backend.tokenize``: the ids and the stop strings its chat
+    format adds, ``stops``)."""
 
     text: str | None = None
     messages: tuple | None = None
@@ -109,6 +117,8 @@ class Prompt:
     system: str | None = None
     tools: chat.Tools | None = None
     reasoning_effort: str | None = None  # low, medium or high: for formats with a reasoning channel
+    tokens: tuple | None = None
+    stops: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -203,36 +213,62 @@ def rate(n, seconds: float):
     return round(n / seconds, 2) if n and seconds > 0 else None
 
 
-def check_fits(n_prompt: int, n_ctx: int, what: str = "this server's context") -> None:
+def check_fits(n_prompt: int, n_ctx: int, what: str = "this server's context", field: str = "prompt") -> None:
     """Refuse an empty prompt (400) or one that leaves no room in a context of ``n_ctx`` tokens."""
     from ..errors import BadRequest, ContextOverflow
 
     if n_prompt < 1:
-        raise BadRequest("the prompt has no tokens", field="prompt")
+        raise BadRequest("the prompt has no tokens", field=field)
     if n_prompt >= n_ctx:
-        raise ContextOverflow(f"prompt has {n_prompt} tokens; {what} holds {n_ctx}", field="prompt")
+        raise ContextOverflow(f"prompt has {n_prompt} tokens; {what} holds {n_ctx}", field=field)
 
 
-def gguf_prompt_tokens(prompt: Prompt, chat_format, tokenize) -> tuple[list[int], tuple, str]:
+def check_bound(data: bytes, field: str, n_ctx: int | None, longest_token: int) -> None:
+    """Refuse (400 ``context_overflow``) text that cannot fit a context of ``n_ctx`` tokens whatever its
+    tokenization: no token covers more than ``longest_token`` bytes, so ``data`` needs at least
+    len / longest tokens. Cheap, and before the tokenizer, whose time grows faster than the text (20,000
+    chat turns took 28 s there; their 580 KB are 7,000 tokens at least, by this bound)."""
+    from ..errors import ContextOverflow
+
+    if not n_ctx or longest_token <= 0:
+        return
+    least = -(-len(data) // longest_token)
+    if least >= n_ctx:
+        raise ContextOverflow(f"'{field}' is {len(data)} bytes as the model reads it: at least {least} tokens "
+                              f"(no token of this model covers more than {longest_token} bytes), and this server's "
+                              f"context holds {n_ctx}", field=field)
+
+
+def gguf_prompt_tokens(prompt: Prompt, chat_format, tokenize, n_ctx: int | None = None,
+                       longest_token: int = 0) -> tuple[list[int], tuple, str]:
     """Token ids of a prompt, the stop strings its chat template adds, and the name of the chat format that
     rendered it (``raw`` for a prompt sent as written), for the backends that read a GGUF's vocabulary:
     ``chat_format`` is the model's (chat/, or None when it has none), ``tokenize(data: bytes, add_bos,
-    special)`` its tokenizer."""
+    special)`` its tokenizer. A prompt already tokenized (``prompt.tokens``) is given back as it is. With
+    ``n_ctx`` and ``longest_token`` (the most bytes one token covers), text that cannot fit is refused
+    before it is tokenized (``check_bound``)."""
     from ..errors import BadRequest
 
-    if prompt.raw or (chat_format is None and prompt.messages is None):
+    as_written = prompt.raw or (chat_format is None and prompt.messages is None)
+    if prompt.tokens is not None:
+        return list(prompt.tokens), tuple(prompt.stops), chat.RAW.name if as_written else chat_format.name
+    if as_written:
         if prompt.tools is not None:
             raise BadRequest("'tools' need a chat prompt: send 'messages' (or a prompt that is not raw)",
                              field="tools")
         text = prompt.text if prompt.system is None else f"{prompt.system}\n\n{prompt.text}"
-        return tokenize(text.encode("utf-8"), add_bos=True, special=False), (), chat.RAW.name
+        data = text.encode("utf-8")
+        check_bound(data, "prompt", n_ctx, longest_token)
+        return tokenize(data, add_bos=True, special=False), (), chat.RAW.name
     if chat_format is None:
         raise BadRequest("this model has no chat template; send 'prompt' with 'raw': true", field="messages")
     messages = list(prompt.messages or ({"role": "user", "content": prompt.text},))
     if prompt.system:
         messages.insert(0, {"role": "system", "content": prompt.system})
     rendered = chat_format.render(messages, tools=prompt.tools, reasoning_effort=prompt.reasoning_effort)
-    tokens = tokenize(rendered.text.encode("utf-8"), add_bos=rendered.add_bos, special=True)
+    data = rendered.text.encode("utf-8")
+    check_bound(data, "messages" if prompt.messages is not None else "prompt", n_ctx, longest_token)
+    tokens = tokenize(data, add_bos=rendered.add_bos, special=True)
     return tokens, rendered.stops, chat_format.name
 
 
@@ -243,7 +279,7 @@ class Backend(abc.ABC):
     request's ``prefill``/``decode``/``generate`` on one of ``slots`` worker threads
     (a ``BatchedBackend`` steps them on the owner thread instead), and ``close`` at
     the end. HTTP threads call only what answers from memory: ``fingerprint``,
-    ``describe``, ``served_model``, ``receive_room`` and ``convert``.
+    ``describe``, ``served_model``, ``receive_room``, ``convert`` and ``tokenize``.
     """
 
     name: ClassVar[str]
@@ -310,6 +346,16 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompt: Prompt, sampling: Sampling, cancelled: Cancelled) -> Iterator[Event]:
         """The whole request on this machine (the decode-only path and the fallback)."""
+
+    def tokenize(self, prompt: Prompt) -> tuple[list[int], tuple] | None:
+        """The prompt's token ids and the stop strings its chat template adds (a prompt already tokenized:
+        its own), or None for an engine that tokenizes behind its own API (the default).
+
+        Called on a request's HTTP thread, beside the model's work on the owner thread: it must only read
+        the vocabulary and the template (llama.cpp's tokenizer does; its own server tokenizes on its HTTP
+        threads too). A prompt that cannot fit ``n_ctx`` by a bound cheaper than tokenizing it should be
+        refused before tokenizing (``check_bound``): the tokenizer's time grows with the text."""
+        return None
 
     def convert(self, prefilled: Prefilled, kind: str) -> Prefilled | None:
         """``prefilled`` as the bundle kind ``kind`` a decode side asked for (``kv_kind``), or None when

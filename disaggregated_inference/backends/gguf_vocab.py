@@ -13,6 +13,29 @@ from __future__ import annotations
 from .. import chat
 from .base import Prompt, gguf_prompt_tokens
 
+# llama.cpp's vocabulary types whose tokens cover their own bytes of the text exactly (byte-level BPE;
+# SentencePiece, whose "▁" is one space): a token count is at least bytes / the longest token there.
+# WordPiece and Unigram normalize the text first (dropping or folding characters), so no such bound holds.
+BOUNDED_VOCAB_TYPES = {1, 2}  # LLAMA_VOCAB_TYPE_SPM, LLAMA_VOCAB_TYPE_BPE
+
+
+def longest_token_bytes(vocab, n_vocab: int) -> int:
+    """The most bytes of text one token of ``vocab`` (a ``llama_vocab`` pointer) covers, special tokens
+    included; 0 when the vocabulary's type gives no bound (``BOUNDED_VOCAB_TYPES``). Read once, at load."""
+    import ctypes
+
+    import llama_cpp
+
+    if llama_cpp.llama_vocab_type(vocab) not in BOUNDED_VOCAB_TYPES:
+        return 0
+    size = 256
+    buf = ctypes.create_string_buffer(size)
+    longest = 0
+    for token in range(n_vocab):
+        n = llama_cpp.llama_token_to_piece(vocab, token, buf, size, 0, True)
+        longest = max(longest, abs(n))  # negative: the piece is longer than the buffer, -n bytes
+    return longest
+
 
 def chat_format_of(setting: str, metadata: dict, bos_text: str, eos_text: str):
     """The chat format of a GGUF (None: no template and no format of its own) for the ``chat_format`` option."""
@@ -47,14 +70,16 @@ class GgufVocab:
                                    model.token_get_text(eos) if eos != -1 else "")
         self._eog = {t for t in range(self.llama.n_vocab()) if llama_cpp.llama_vocab_is_eog(model.vocab, t)}
         self._ends: dict = {}
+        self.longest_token = longest_token_bytes(model.vocab, self.llama.n_vocab())
 
-    def tokenize(self, prompt: Prompt) -> tuple[list[int], tuple]:
-        """Token ids of a prompt and the stop strings its chat template adds."""
-        return self.prompt_tokens(prompt)[:2]
+    def tokenize(self, prompt: Prompt, n_ctx: int | None = None) -> tuple[list[int], tuple]:
+        """Token ids of a prompt and the stop strings its chat template adds; text that cannot fit ``n_ctx``
+        is refused first (``gguf_prompt_tokens``)."""
+        return self.prompt_tokens(prompt, n_ctx)[:2]
 
-    def prompt_tokens(self, prompt: Prompt) -> tuple[list[int], tuple, str]:
+    def prompt_tokens(self, prompt: Prompt, n_ctx: int | None = None) -> tuple[list[int], tuple, str]:
         """Token ids of a prompt, its template's stop strings and the chat format that rendered it."""
-        return gguf_prompt_tokens(prompt, self.chat, self.llama.tokenize)
+        return gguf_prompt_tokens(prompt, self.chat, self.llama.tokenize, n_ctx, self.longest_token)
 
     def special_tokens(self, text: str) -> list[int]:
         """The ids of ``text`` with special tokens' text read as those tokens."""

@@ -63,6 +63,7 @@ from ..kv.bundle import KIND_LLAMA_SEQ_STATE, KIND_NEUTRAL_KV, KIND_TOKEN_IDS
 from ..errors import BadRequest, BundleError, FingerprintMismatch
 from . import llama_cells
 from .gguf import resolve_gguf
+from .gguf_vocab import longest_token_bytes
 from .base import (BatchedBackend, ChatSettings, Eval, Event, Prefilled, Prompt, Received, Sampling, Wait, check_fits,
                    gguf_prompt_tokens, rate)
 from .gguf_vocab import chat_format_of, end_tokens
@@ -111,6 +112,7 @@ class LlamaCppBackend(BatchedBackend):
         self.model_path = None
         self._fingerprint: dict = {}
         self.chat = None  # the model's chat format (chat/): None when it has no template and no format of its own
+        self._longest_token = 0  # bytes; bounds a prompt's token count from below (base.check_bound)
         self._eog: list[int] | None = None
         self._ends: dict = {}  # chat format name -> the token ids that end its generations
         self._threads: int | None = None  # CPU compute threads, named in canaries (kv/canary.py)
@@ -162,6 +164,7 @@ class LlamaCppBackend(BatchedBackend):
         self._batch = llama_cpp.llama_batch_init(self._batch_capacity, 0, 1)
         self._free = list(range(self.slots - 1, -1, -1))
         self._cached = {}
+        self._longest_token = longest_token_bytes(self.model.vocab, self.model.n_vocab())
         meta = self.model.metadata()
         eos, bos = self.model.token_eos(), self.model.token_bos()
         self.chat = chat_format_of(s.chat_format, meta, self.model.token_get_text(bos) if bos != -1 else "",
@@ -277,12 +280,15 @@ class LlamaCppBackend(BatchedBackend):
     # -- prompt -> tokens ------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> tuple[list[int], tuple]:
-        """Token ids of a prompt and the stop strings its chat template adds."""
+        """Token ids of a prompt and the stop strings its chat template adds. Reads only the vocabulary
+        and the template: the server runs it on the request's thread, beside the model's steps (as
+        llama.cpp's own server tokenizes on its HTTP threads). Text that cannot fit the context is refused
+        before it is tokenized (``base.check_bound``)."""
         return self.prompt_tokens(prompt)[:2]
 
     def prompt_tokens(self, prompt: Prompt) -> tuple[list[int], tuple, str]:
         """Token ids of a prompt, its template's stop strings and the chat format that rendered it."""
-        return gguf_prompt_tokens(prompt, self.chat, self.model.tokenize)
+        return gguf_prompt_tokens(prompt, self.chat, self.model.tokenize, self.settings.n_ctx, self._longest_token)
 
     def _check_fits(self, n_prompt: int) -> None:
         check_fits(n_prompt, self.settings.n_ctx)
@@ -330,6 +336,15 @@ class LlamaCppBackend(BatchedBackend):
             llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
         self._free.append(seq)
         self._free.sort(reverse=True)
+
+    def set_threads(self, threads: int) -> None:
+        """Compute with ``threads`` CPU threads from the next step on (the owner shares the machine's
+        cores between the servers on it: ``server/cores.py``). Canaries name the count in use."""
+        import llama_cpp
+
+        llama_cpp.llama_set_n_threads(self.ctx.ctx, threads, threads)
+        if self._threads is not None:
+            self._threads = threads
 
     def cached_prefixes(self) -> dict[int, int]:
         """Free slot -> how many prompt tokens of KV it holds for reuse (tests, diagnostics)."""

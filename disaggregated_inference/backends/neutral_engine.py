@@ -144,8 +144,9 @@ class NeutralKVBackend(Backend):
         return {"model_sha256": self._fingerprint["model_sha256"], "arch": self._fingerprint["arch"]}
 
     def tokenize(self, prompt: Prompt) -> tuple[list[int], tuple]:
-        """Token ids of a prompt and the stop strings its chat template adds."""
-        return self.vocab.prompt_tokens(prompt)[:2]
+        """Token ids of a prompt and the stop strings its chat template adds (the GGUF's vocabulary, read
+        only: safe beside the model's work)."""
+        return self.vocab.prompt_tokens(prompt, self.settings.n_ctx)[:2]
 
     def export_neutral(self, cache, n_kv_tokens: int) -> neutral.NeutralKV:
         """The cache (``n_kv_tokens`` prompt tokens) as neutral K/V arrays."""

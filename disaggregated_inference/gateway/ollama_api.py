@@ -22,9 +22,10 @@ from datetime import datetime, timezone
 from flask import Blueprint, Response, g
 
 from .. import __version__
+from ..server.web import STREAM_HEADERS
 from . import sse
 from .relay import complete, fact_headers, facts, json_body, open_stream, state
-from .parse import GatewayRequest, parse_model_name, parse_ollama_chat, parse_ollama_generate
+from .parse import GatewayRequest, api_field, parse_model_name, parse_ollama_chat, parse_ollama_generate
 
 ollama = Blueprint("ollama", __name__)
 NS = 1_000_000_000
@@ -125,9 +126,10 @@ def _answer(req: GatewayRequest, content) -> Response:
                 yield sse.ndjson_line({"model": req.model, "created_at": _now(), **content(""), "done": True,
                                        **_final(value, time.perf_counter() - arrived), "disagg": facts(value)})
             else:  # an error after the stream started: an extra line, as Ollama does
-                yield sse.ndjson_line({"error": value.message})
+                field = api_field(value.field, "ollama")
+                yield sse.ndjson_line({"error": value.message, **({"field": field} if field else {})})
 
-    return Response(lines(), mimetype="application/x-ndjson", headers=fact_headers(route))
+    return Response(lines(), mimetype="application/x-ndjson", headers={**fact_headers(route), **STREAM_HEADERS})
 
 
 def _details(entry: dict) -> dict:

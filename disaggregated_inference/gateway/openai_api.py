@@ -21,8 +21,9 @@ import uuid
 from flask import Blueprint, Response
 
 from . import sse
-from .relay import complete, fact_headers, facts, json_body, open_stream, state
-from .parse import GatewayRequest, parse_openai_chat, parse_openai_completion
+from ..server.web import STREAM_HEADERS
+from .relay import complete, fact_headers, facts, json_body, open_stream, openai_type, state
+from .parse import GatewayRequest, api_field, parse_openai_chat, parse_openai_completion
 
 openai = Blueprint("openai", __name__, url_prefix="/v1")
 OWNER = "disaggregated-inference"
@@ -145,9 +146,8 @@ def _stream(req: GatewayRequest, chat: bool, ident: str, created: int) -> Respon
                 if req.include_usage:
                     yield sse.event({**base, "choices": [], "usage": _usage(value)})
             else:  # the stream had started: the error goes in-band, as OpenAI's streams do
-                yield sse.event({"error": {"message": value.message, "type": "server_error", "param": value.field,
-                                           "code": value.code}})
+                yield sse.event({"error": {"message": value.message, "type": openai_type(value.status),
+                                           "param": api_field(value.field, "openai"), "code": value.code}})
         yield sse.DONE
 
-    return Response(body(), mimetype="text/event-stream",
-                    headers={**fact_headers(route), "Cache-Control": "no-cache"})
+    return Response(body(), mimetype="text/event-stream", headers={**fact_headers(route), **STREAM_HEADERS})

@@ -17,6 +17,20 @@ from ..errors import BadRequest
 
 UNLIMITED_TOKENS = 1 << 20  # the decode server stops at the end of its context first
 
+# The cluster's names of request fields (what the client and the servers name in their errors: they
+# check the request the gateway builds) as each API spells them; the others are the same in both.
+API_FIELDS = {
+    "openai": {"json_schema": "response_format", "max_new_tokens": "max_tokens"},
+    "ollama": {"json_schema": "format", "max_new_tokens": "options.num_predict", "stop": "options.stop",
+               "temperature": "options.temperature", "top_p": "options.top_p", "top_k": "options.top_k",
+               "seed": "options.seed"},
+}
+
+
+def api_field(field: str | None, api: str) -> str | None:
+    """A cluster error's ``field`` as the API the request came through names it."""
+    return API_FIELDS[api].get(field, field) if field else field
+
 
 @dataclass(frozen=True)
 class GatewayRequest:
@@ -40,6 +54,7 @@ class GatewayRequest:
     reasoning_effort: str | None = None
     reasoning_budget: int | None = None
     show_reasoning: bool = True      # Ollama's think: false leaves the thinking out of the answer
+    ignore_eos: bool = False
 
     def client_kwargs(self) -> dict:
         """The keyword arguments of ``DisaggregatedClient.generate`` / ``.stream``."""
@@ -50,6 +65,8 @@ class GatewayRequest:
         if self.tools is not None:
             kwargs["tools"] = list(self.tools)
             kwargs["tool_choice"] = self.tool_choice
+        if self.ignore_eos:
+            kwargs["ignore_eos"] = True
         if self.messages is not None:
             kwargs["messages"] = [dict(m) for m in self.messages]
         else:
@@ -118,8 +135,10 @@ OPENAI_REFUSED = {
     "prediction": "predicted outputs are not supported", "echo": "echo is not supported",
     "suffix": "suffix (insertion) is not supported", "best_of": "best_of is not supported",
 }
+# ignore_eos: exactly max_tokens (vLLM's and llama.cpp's servers take it too); benchmarks need it
 OPENAI_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
-                 "user", "frequency_penalty", "presence_penalty", "response_format", "store", "metadata"}
+                 "user", "frequency_penalty", "presence_penalty", "response_format", "store", "metadata",
+                 "ignore_eos"}
 
 
 def _openai_common(body: dict) -> dict:
@@ -137,6 +156,10 @@ def _openai_common(body: dict) -> dict:
         raise BadRequest("'stream_options' is only allowed with 'stream': true", field="stream_options")
     if set(options) - {"include_usage"}:
         raise BadRequest("'stream_options' may only hold 'include_usage'", field="stream_options")
+    schema = _response_format(body.get("response_format"))
+    ignore_eos = _get(body, "ignore_eos", bool, False, what="a boolean")
+    if ignore_eos and schema is not None:  # a grammar ends its output with an end-of-generation token
+        raise BadRequest("'ignore_eos' cannot be combined with 'response_format'", field="ignore_eos")
     return {
         "model": _model(body),
         "stream": stream,
@@ -146,7 +169,8 @@ def _openai_common(body: dict) -> dict:
         "top_p": float(_number(body, "top_p", 1.0, 0.0, 1.0)),
         "seed": _number(body, "seed", None, -(1 << 31), (1 << 32) - 1, integer=True),
         "stop": _stop(body.get("stop"), "stop"),
-        "json_schema": _response_format(body.get("response_format")),
+        "json_schema": schema,
+        "ignore_eos": ignore_eos,
     }
 
 

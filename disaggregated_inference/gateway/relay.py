@@ -8,7 +8,6 @@ disaggregation facts of an answer (``facts``) travel as ``X-Disagg-*`` headers
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -18,7 +17,8 @@ from flask import current_app, g
 from .. import chat
 from .. import config as cluster_config
 from ..client import DisaggregatedClient
-from ..errors import BadRequest, DisaggError, ModelNotFound
+from ..errors import DisaggError, ModelNotFound
+from ..server.parse import parse_json
 from ..server.web import read_body
 from .metrics import GatewayMetrics
 from .parse import GatewayRequest
@@ -63,6 +63,14 @@ def fact_headers(known: dict) -> dict:
         if value is not None:
             headers[header] = str(value)
     return headers
+
+
+def openai_type(status: int) -> str:
+    """OpenAI's error ``type`` for an HTTP status: every 4xx is the request's fault but these three."""
+    if status >= 500:
+        return "server_error"
+    return {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error")
 
 
 def _model_label(name: str) -> str:
@@ -141,13 +149,8 @@ def open_stream(req: GatewayRequest, api: str):
 def json_body():
     """The request's JSON body, or a 400/408/413 that says what is wrong with it. Any Content-Type is
     read as JSON (``curl -d`` sends a form's); the size and the time to send it are bounded as on
-    the servers (the config's ``server.max_request_bytes`` and ``server.body_timeout``)."""
+    the servers (the config's ``server.max_request_bytes`` and ``server.body_timeout``), and the JSON
+    is checked as they check it (``server/parse.py``'s ``parse_json``: nesting, duplicate keys, text)."""
     limits = state().config.server
-    data = read_body(limits["max_request_bytes"], limits["body_timeout"])
-    if not data:
-        raise BadRequest("request body is empty; send a JSON object", field="body")
-    try:
-        g.body = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"malformed JSON body: {exc}", field="body") from None
+    g.body = parse_json(read_body(limits["max_request_bytes"], limits["body_timeout"]))
     return g.body

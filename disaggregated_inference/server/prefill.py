@@ -2,6 +2,8 @@
 
 Endpoints: ``GET /health``, ``POST /prefill``, ``GET /kv/<handle>`` (the bundle,
 binary, pulled by the decode server), ``DELETE /kv/<handle>`` (give a lease up).
+``/prefill`` with ``"progress": true`` answers NDJSON: heartbeats while the request
+waits and its prompt is evaluated, then the answer (``progress.py``).
 
 ``/prefill`` with ``"handoff_mode": "streamed"`` (what the client asks for) is the
 overlapped handoff where the model allows it: the answer comes as soon as the
@@ -18,7 +20,7 @@ import time
 
 from flask import Flask, Response, request
 
-from . import probe, web
+from . import probe, progress, web
 from ..errors import BadRequest, DisaggError, NotFound
 from ..kv import bundle, send
 from ..kv.stream import DONE, StreamingBundle
@@ -74,13 +76,13 @@ def create_app(config=None, backend=None) -> Flask:
     app = web.create_base_app(settings, backend, leases=LeaseTable(settings.lease_seconds, max_bytes=settings.max_lease_bytes))
     st = app.extensions["disagg"]
 
-    def prefill_streamed(req, reservation, started: float):
+    def prefill_streamed(req, prompt, tokenize_time, reservation, started: float, base: str, status):
         """Answer once the prompt is tokenized and its slot taken; the KV leaves as it is evaluated."""
         streaming = StreamingBundle()
 
         def job(backend, cancelled):
             try:
-                out = backend.prefill(req.prompt, kv_stream=streaming)
+                out = backend.prefill(prompt, kv_stream=streaming)
                 result = (yield from out) if inspect.isgenerator(out) else out
             except BaseException as exc:
                 streaming.fail(*_error_frame(exc), failure=exc)
@@ -89,7 +91,7 @@ def create_app(config=None, backend=None) -> Flask:
             trailer_meta = {k: v for k, v in result.meta.items() if k not in streaming.header.meta}
             streaming.finish({"meta": trailer_meta, "metrics": result.metrics})
 
-        events = st.owner.stream(job, reservation)  # closing it cancels the prefill
+        events = st.owner.stream(job, reservation, status)  # closing it cancels the prefill
         try:
             streaming.wait_open(settings.queue_timeout + settings.kv_fetch_timeout)
             lease = st.leases.put(streaming.header, streaming.tokens, streaming.payload, req.lease_seconds,
@@ -113,13 +115,14 @@ def create_app(config=None, backend=None) -> Flask:
         header = streaming.header
         metrics = {"queue_time": round(reservation.waited, 6),
                    "server_time": round(time.perf_counter() - started, 6), "handoff_mode": "streamed"}
-        return answer(header, streaming.tokens, lease, metrics, {
+        if tokenize_time is not None:
+            metrics["tokenize_time"] = tokenize_time
+        return answer(base, header, streaming.tokens, lease, metrics, {
             "crc32c": None, "sent_as": "stream", "mode": "streamed", "expires_at": None,
             "lease_seconds": req.lease_seconds or st.leases.ttl})
 
-    def answer(header, tokens, lease, metrics: dict, kv: dict):
-        base = (settings.data_url or request.host_url).rstrip("/")
-        return web.json_response({
+    def answer(base: str, header, tokens, lease, metrics: dict, kv: dict) -> dict:
+        return {
             "model": st.backend.served_model(),  # as /health names it; "model_key" is the config's key
             "model_key": settings.model.name,
             "server": settings.name,
@@ -134,19 +137,30 @@ def create_app(config=None, backend=None) -> Flask:
             "fingerprint": header.fingerprint,
             "kv": {"url": f"{base}/kv/{lease.handle}", "handle": lease.handle, "kind": header.kind,
                    "bytes": header.payload_bytes, **kv},
-        })
+        }
 
     @app.post("/prefill")
     def prefill():
         req = parse_prefill(web.json_body(), web.request_limits(), settings.max_lease_seconds)
         web.check_model(req.model)
         st.leases.check_room()  # 503 before the work when the held KV is already at its cap
+        base = (settings.data_url or request.host_url).rstrip("/")
+        if req.progress:  # heartbeats until the answer, which is the last line
+            return web.ndjson(progress.lines(lambda status: iter([{**prefilled(req, base, status), "done": True}])))
+        return web.json_response(prefilled(req, base, progress.Progress()))
+
+    def prefilled(req, base: str, status: progress.Progress) -> dict:
+        """Tokenize (here, on the request's thread), wait for a slot, evaluate, lease the KV: the answer."""
         started = time.perf_counter()
         refused = streaming_refused(st.owner, req) if req.handoff_mode == "streamed" else None
+        status.phase = "tokenizing"
+        prompt, tokenize_time = web.tokenized(st, req.prompt)
+        status.phase, status.tokens = "queued", len(prompt.tokens) if prompt.tokens is not None else None
         reservation = st.owner.reserve()
+        status.phase = "prefill"
         if req.handoff_mode == "streamed" and refused is None:
-            return prefill_streamed(req, reservation, started)
-        result = st.owner.call(lambda backend: backend.prefill(req.prompt), reservation)
+            return prefill_streamed(req, prompt, tokenize_time, reservation, started, base, status)
+        result = st.owner.call(lambda backend: backend.prefill(prompt), reservation, status)
         # a conversion the decode side asked for runs here, on the request's thread, not the model's
         result = as_kind(st.backend, result, req.kv_kind)
         t = time.perf_counter()
@@ -159,6 +173,8 @@ def create_app(config=None, backend=None) -> Flask:
         framed = send.frame_in_place(header, result.tokens, result.payload)
         lease = st.leases.put(header, result.tokens, result.payload, req.lease_seconds, framed=framed)
         metrics = dict(result.metrics)
+        if tokenize_time is not None:
+            metrics["tokenize_time"] = tokenize_time
         metrics["kv_checksum_time"] = round(checksum_time, 6)
         metrics["queue_time"] = round(reservation.waited, 6)
         metrics["server_time"] = round(time.perf_counter() - started, 6)
@@ -168,7 +184,7 @@ def create_app(config=None, backend=None) -> Flask:
         st.metrics.observe_prefill(metrics, header.payload_bytes)
         log.info("prefill tokens=%d kv_bytes=%d time=%.3fs", len(result.tokens), header.payload_bytes,
                  metrics.get("prefill_time", 0.0))
-        return answer(header, result.tokens, lease, metrics, {
+        return answer(base, header, result.tokens, lease, metrics, {
             "crc32c": crc, "sent_as": "sendfile" if framed is not None else "frames", "mode": "whole",
             "expires_at": lease.expires_at, "lease_seconds": round(lease.expires_at - time.time(), 3)})
 
