@@ -18,8 +18,8 @@ from pathlib import Path
 from . import backends, routing
 from .backends import options
 from .errors import ConfigError
-from .server.progress import HEARTBEAT_SECONDS
 from .tuning import MIN_NON_TEMPORAL_BYTES, OPENMP_WAITS
+from .watch import HEARTBEAT_SECONDS
 
 DEFAULT_CONFIG_FILE = "config_current.json"
 

@@ -27,6 +27,10 @@ import time
 
 from .errors import UpstreamTimeout
 
+# seconds between a server's heartbeat lines while a request waits or is evaluated (server/progress.py
+# sends them, a Watch reads them): the protocol's one constant both sides share
+HEARTBEAT_SECONDS = 1.0
+
 PROGRESS_FACTOR = 4.0  # "several times what its size should take"
 WAITING = ("accepted", "queued", "fetching", "importing")  # a server's phases before its answer's own work
 
