@@ -131,9 +131,16 @@ class Served:
     first_piece_at: float | None = None  # a stream: when its first piece arrived
     lines: object = None  # a stream: the decode server's NDJSON lines, open until the last
 
+    def prefill_metrics(self) -> dict:
+        """The prefill's metrics: its /prefill answer's, and for a streamed handoff (answered before the prompt
+        was evaluated) those its KV stream ended with, which the decode server passes on."""
+        pre = dict((self.prefill or {}).get("metrics", {}))
+        pre.update((self.decode or {}).get("metrics", {}).get("prefill_metrics") or {})
+        return pre
+
     def metrics(self, started: float, notes: list) -> dict:
         """The request's metrics, as ``generate`` returns them (``started``: when it began)."""
-        pre = (self.prefill or {}).get("metrics", {})
+        pre = self.prefill_metrics()
         dec = self.decode["metrics"]
         prompt_tokens = dec.get("prompt_tokens") or pre.get("prompt_tokens") or 0
         completion = dec.get("completion_tokens", 0)
@@ -174,6 +181,13 @@ class Served:
         for key in ("canary", "canary_top1_match", "canary_divergence", "canary_tolerance", "canary_check_ms"):
             if key in dec:
                 metrics[key] = dec[key]
+        # how the KV went (whole after the prefill, or streamed during it) and, streamed, what was left after it
+        if self.prefill:
+            metrics["handoff_mode"] = dec.get("handoff_mode") or pre.get("handoff_mode") or "whole"
+            for key in ("handoff_mode_reason", "kv_import", "kv_wait_time", "kv_exposed_time"):
+                value = dec.get(key, pre.get(key))
+                if value is not None:
+                    metrics[key] = value
         if pre.get("canary_ms") is not None:
             metrics["canary_ms"] = pre["canary_ms"]
         # speculative decoding on the decode server: guesses verified and kept
@@ -201,6 +215,7 @@ class DisaggregatedClient:
         self.retries = int(opts["retries"])
         self.failures_before_down = int(opts["failures_before_down"])
         self.route = opts["route"]
+        self.handoff_mode = opts["handoff_mode"]
         self.costs = routing.CostModel()  # what this client has measured, for route "auto"
         self.api_token = api_token or opts.get("api_token") or self.config.server.get("api_token")
         self.history: deque = deque(maxlen=int(opts["history_size"]))
@@ -236,7 +251,7 @@ class DisaggregatedClient:
         hung or stuck server is given up in seconds; ``timeout`` is the caller's deadline for it."""
         started = time.perf_counter()
         stream = path != "/prefill"
-        watch = self._watch(server, path, timeout)
+        watch = self._watch(server, path, timeout, body=body)
         lines = self._lines(server, path, {**body, "stream": True} if stream else body, watch)
         try:
             if not stream:
@@ -268,14 +283,18 @@ class DisaggregatedClient:
         server.latency_s = round(time.perf_counter() - started, 4)
         return answer
 
-    def _watch(self, server: TrackedServer, path: str, timeout: float | None, lifted: bool = False) -> Watch:
+    def _watch(self, server: TrackedServer, path: str, timeout: float | None, lifted: bool = False,
+               body: dict | None = None) -> Watch:
         """What a request to ``server`` may take: silence (``progress_timeout``), progress at the speeds this
         server has shown (the cost model's, or its /health's), and the caller's ``timeout`` (``lifted``
-        once a stream's first piece is in)."""
+        once a stream's first piece is in); a decode of a streamed KV (``body``) also has the prefill's own
+        allowance while it waits for that KV to be made."""
         prompt_speed, decode_speed = self.costs.server_speeds(server.entry.name)
+        streamed = ((body or {}).get("kv") or {}).get("mode") == "streamed"
         return Watch(server.entry.name, self.progress_timeout, timeout,
                      "prefill_timeout" if path == "/prefill" else "decode_timeout",
-                     prompt_speed or server.health.get("prompt_speed"), decode_speed, lifted)
+                     prompt_speed or server.health.get("prompt_speed"), decode_speed, lifted,
+                     waiting=self.prefill_timeout if streamed else None)
 
     def _lines(self, server: TrackedServer, path: str, body: dict, watch: Watch):
         """POST ``body`` asking for progress (server/progress.py); yield the answer's lines, heartbeats left to
@@ -327,6 +346,16 @@ class DisaggregatedClient:
         if all("neutral_kv" in a and "llama_seq_state" not in a for a in accepts):
             return {"kv_kind": "neutral_kv"}
         return {}
+
+    def _streams(self, model_key: str) -> bool:
+        """Whether to ask for the overlapped handoff: ``client.handoff_mode`` is "streamed" and no decode server
+        of the model said (in its last /health) that it takes only whole bundles (an older server)."""
+        if self.handoff_mode != "streamed":
+            return False
+        with self._lock:
+            modes = [s.health.get("handoff_modes") for s in self.servers.values()
+                     if s.entry.role == "decode" and s.entry.model == model_key and s.up and s.health]
+        return all(m is not None and "streamed" in m for m in modes)
 
     def _candidates(self, role: str, model_key: str, wait: bool = False) -> list[TrackedServer]:
         """The servers of a role to try, in order. Servers marked down are probed again as their time comes
@@ -388,9 +417,13 @@ class DisaggregatedClient:
             queue = int((prefill.health.get("slots") or {}).get("queued") or 0)
             queue += max(0, prefill.outstanding + 1 - prefill.slots)
         reported = tuple(s.health.get("prompt_speed") if s is not None else None for s in (prefill, decode))
+        # the overlapped handoff, where this client asks for it and the prefill server streams this model
+        streamed = self._streams(model_key) and prefill is not None and "streamed" in (
+            prefill.health.get("handoff_modes") or ("streamed",))
+        chunk = ((prefill.health.get("model_info") or {}).get("n_batch") if prefill is not None else None)
         return self.costs.decide(mode, model_key, routing.prompt_chars(source),
                                  prefill.entry.name if prefill else None, decode.entry.name if decode else None,
-                                 prefill_queue=queue, reported=reported)
+                                 prefill_queue=queue, reported=reported, streamed=streamed, chunk_tokens=chunk)
 
     def _learn(self, model_key: str, source: dict, served: Served, metrics: dict, clean: bool) -> None:
         """Feed what this request measured to the cost model (``clean``: no retry or fallback inflated its times)."""
@@ -400,7 +433,7 @@ class DisaggregatedClient:
             return
         self.costs.observe(model_key, routing.prompt_chars(source), path,
                            served.prefill_server.entry.name if served.prefill_server else None,
-                           served.decode_server.entry.name, (served.prefill or {}).get("metrics", {}),
+                           served.decode_server.entry.name, served.prefill_metrics(),
                            served.decode["metrics"], metrics.get("ttft_end_to_end") if clean else None)
 
     def _mark_failure(self, server: TrackedServer, error: str, hard: bool = False) -> None:
@@ -532,7 +565,8 @@ class DisaggregatedClient:
                  json_schema: dict | None = None, raw: bool = False, top_k: int | None = None,
                  system: str | None = None, route: str | None = None, tools: list | None = None,
                  tool_choice=None, reasoning_effort: str | None = None,
-                 reasoning_budget: int | None = None, speculation: str | None = None) -> tuple[str, dict]:
+                 reasoning_budget: int | None = None, ignore_eos: bool = False,
+                 speculation: str | None = None) -> tuple[str, dict]:
         """One request; ``route`` ("auto", "handoff", "decode_only") overrides ``client.route`` for it;
         ``speculation`` ("off", "ngram") overrides the decode server's model setting for it.
 
@@ -542,14 +576,15 @@ class DisaggregatedClient:
         it (tokens; by default half of ``max_tokens``), after which the model is moved on to its answer.
         ``tools`` (functions in the OpenAI API's shape) may be called: the calls are in
         ``metrics["tool_calls"]`` (``{"name", "arguments"}``, the arguments as JSON text) and
-        ``finish_reason`` is ``tool_calls``; ``tool_choice`` is auto, none, required or a function."""
+        ``finish_reason`` is ``tool_calls``; ``tool_choice`` is auto, none, required or a function.
+        ``ignore_eos``: exactly ``max_tokens`` (llama.cpp decode servers; others answer 400), for benchmarks."""
         started = time.perf_counter()
         model_key = self.config.resolve_model(model)
         source, sampling = _request_bodies(prompt, messages, raw, system=system, max_tokens=max_tokens,
                                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                                            json_schema=json_schema, tools=tools, tool_choice=tool_choice,
                                            reasoning_effort=reasoning_effort, reasoning_budget=reasoning_budget,
-                                           speculation=speculation)
+                                           ignore_eos=ignore_eos, speculation=speculation)
         self.check_request(source, sampling)
         decision = self._route(model_key, source, route)
 
@@ -623,6 +658,8 @@ class DisaggregatedClient:
         if not self._candidates("decode", model_key, wait=True):
             raise NoServerAvailable(f"no healthy decode server for model {model_key!r}", role="decode")
         wanted = self._kv_kind(model_key)
+        if self._streams(model_key):
+            wanted["handoff_mode"] = "streamed"  # the prefill server answers at once where the model allows it
         prefill_server, prefilled = self._on("prefill", model_key, lambda s: self._post(
             s, "/prefill", {**source, **wanted}, self.prefill_timeout), exclude)
         unreachable = []
@@ -681,7 +718,7 @@ class DisaggregatedClient:
                stop=None, json_schema: dict | None = None, raw: bool = False, system: str | None = None,
                on_route=None, route: str | None = None, tools: list | None = None, tool_choice=None,
                reasoning_effort: str | None = None, reasoning_budget: int | None = None, parts: bool = False,
-               speculation: str | None = None):
+               ignore_eos: bool = False, speculation: str | None = None):
         """Like ``generate``, but yield the text pieces as the decode server sends them, then the metrics dict.
 
         The pieces are the answer's. With ``parts``, the reasoning and the tool calls come too, as they
@@ -702,7 +739,7 @@ class DisaggregatedClient:
                                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                                            json_schema=json_schema, tools=tools, tool_choice=tool_choice,
                                            reasoning_effort=reasoning_effort, reasoning_budget=reasoning_budget,
-                                           speculation=speculation)
+                                           ignore_eos=ignore_eos, speculation=speculation)
         self.check_request(source, sampling)
         sampling["stream"] = True
         decision = self._route(model_key, source, route)
@@ -784,7 +821,7 @@ class DisaggregatedClient:
         server; ``timeout`` (the caller's ``decode_timeout``) bounds the wait for it, and no more: from
         then on the caller sees the pieces come, and only silence or no progress ends the stream."""
         started = time.perf_counter()
-        watch = self._watch(server, path, timeout, lifted=True)
+        watch = self._watch(server, path, timeout, lifted=True, body=body)
         lines = self._lines(server, path, body, watch)
         try:
             head = next(lines)
@@ -866,7 +903,7 @@ def _raise_kv_lost(server: TrackedServer, exc: DisaggError) -> None:
 
 def _request_bodies(prompt, messages, raw, *, system=None, max_tokens, temperature, top_p, top_k=None, seed=None,
                     stop=None, json_schema=None, tools=None, tool_choice=None, reasoning_effort=None,
-                    reasoning_budget=None, speculation=None) -> tuple[dict, dict]:
+                    reasoning_budget=None, ignore_eos=False, speculation=None) -> tuple[dict, dict]:
     """The prompt part (for /prefill and /generate) and the sampling part (for /decode) of a request. The tools
     go in both: the prompt renders them, the decode side reads the calls."""
     if (prompt is None) == (messages is None):
@@ -894,6 +931,8 @@ def _request_bodies(prompt, messages, raw, *, system=None, max_tokens, temperatu
     for key, value in (("tools", tools), ("tool_choice", tool_choice)):
         if value is not None:
             source[key] = sampling[key] = value
+    if ignore_eos:  # exactly max_tokens (llama.cpp decode servers; others answer 400)
+        sampling["ignore_eos"] = True
     return source, sampling
 
 

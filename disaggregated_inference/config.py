@@ -18,8 +18,8 @@ from pathlib import Path
 from . import backends, routing
 from .backends import options
 from .errors import ConfigError
-from .server.progress import HEARTBEAT_SECONDS
 from .tuning import MIN_NON_TEMPORAL_BYTES, OPENMP_WAITS
+from .watch import HEARTBEAT_SECONDS
 
 DEFAULT_CONFIG_FILE = "config_current.json"
 
@@ -45,7 +45,11 @@ CLIENT_DEFAULTS = {
     # per request, the KV handoff or the decode server alone (routing.py): "auto" decides from measured
     # costs; "handoff" (the default: every request disaggregated, as before) or "decode_only" force a path
     "route": "handoff",
+    # how the KV leaves the prefill server: "streamed" (the default: the overlapped handoff, the decode server
+    # pulling while the prompt is evaluated, where the model allows it) or "whole" (after the prefill, as before)
+    "handoff_mode": "streamed",
 }
+HANDOFF_MODES = ("streamed", "whole")
 
 # The ``gateway`` section: where ``disagg gateway`` (the OpenAI/Ollama front door) listens.
 GATEWAY_DEFAULTS = {
@@ -75,9 +79,12 @@ class ServerOptions:
     api_token: str | None = None
     threads: int = 32  # gunicorn request threads of each server: threads - 1 may wait for or hold a model slot
     # llama.cpp's CPU threads at a barrier: "spin" (OpenMP's default: spin briefly, then sleep), "sleep"
-    # (OMP_WAIT_POLICY=PASSIVE), or "auto": sleep only when the servers on one machine have more compute
-    # threads than it has cores (tuning.py)
+    # (OMP_WAIT_POLICY=PASSIVE), or "auto": spin while the servers on one machine share its cores
+    # (share_cores), else sleep only when they have more compute threads than it has cores (tuning.py)
     openmp_wait: str = "auto"
+    # the llama.cpp servers of the cluster on one machine compute with the threads that fit its cores:
+    # all of theirs while alone, a share while others are busy (server/cores.py)
+    share_cores: bool = True
     max_queue: int = 64  # requests waiting for a slot beyond which a server answers 503 at once
     # Trust and limits (docs/ARCHITECTURE.md, "Trust and limits")
     kv_sources: tuple = ()  # decode: hosts/URLs it may pull KV from besides the cluster's prefill servers
@@ -128,6 +135,9 @@ def check_limits(client: dict, server: dict, source: str) -> None:
     if client["route"] not in routing.MODES:
         raise ConfigError(f"{source}: client.route must be one of {', '.join(routing.MODES)}, got {client['route']!r}",
                           field="client.route")
+    if client["handoff_mode"] not in HANDOFF_MODES:
+        raise ConfigError(f"{source}: client.handoff_mode must be one of {', '.join(HANDOFF_MODES)}, "
+                          f"got {client['handoff_mode']!r}", field="client.handoff_mode")
     _check_ranges(server, SERVER_RANGES, "server", source)
     if server["openmp_wait"] not in OPENMP_WAITS:
         raise ConfigError(f"{source}: server.openmp_wait must be one of {', '.join(OPENMP_WAITS)}, "

@@ -5,9 +5,8 @@
 # is kept under ~/.cache/disaggregated-inference/wheels/, so a second install,
 # or a new clone on the same machine, starts in seconds.
 #
-#   LLAMA_CMAKE_ARGS   build flags for llama.cpp. Default: a portable CPU build
-#                      (AVX2, no AVX-512/AMX). On a DGX: "-DGGML_CUDA=on
-#                      -DCMAKE_CUDA_ARCHITECTURES=90"; on a Mac: "-DGGML_METAL=on".
+#   LLAMA_CMAKE_ARGS   build flags for llama.cpp (default: a portable CPU build; see
+#                      scripts/lib/llama_flags.sh, which scripts/build_llama_server.sh shares).
 #   PYTHON             the interpreter that creates the venv (default python3).
 #   DISAGG_NO_VLLM     set to leave vLLM out (its backend and tests; the vLLM tests then skip).
 #   DISAGG_VLLM_PACKAGE  the vLLM build to install instead of the CPU one (a DGX: "vllm==0.32.0",
@@ -15,14 +14,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-LLAMA_VERSION=0.3.36
+# shellcheck source=scripts/lib/llama_flags.sh
+. scripts/lib/llama_flags.sh
 VLLM_VERSION=0.32.0  # the KV connector (backends/vllm_connector.py) was written and tested against this release
-PORTABLE_CPU="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
-if [ "$(uname -s)" = "Darwin" ]; then PORTABLE_CPU="-DGGML_METAL=on"; fi
-CMAKE_FLAGS="${LLAMA_CMAKE_ARGS:-$PORTABLE_CPU}"
-# sha256sum on Linux, shasum on a stock Mac
-digest() { if command -v sha256sum >/dev/null; then sha256sum; else shasum -a 256; fi | cut -c1-"$1"; }
-flags_id=$(printf '%s %s' "$LLAMA_VERSION" "$CMAKE_FLAGS" | digest 12)
 WHEELS="${DISAGG_WHEEL_CACHE:-$HOME/.cache/disaggregated-inference/wheels}/$flags_id"
 
 say() { printf '[install] %s\n' "$*" >&2; }

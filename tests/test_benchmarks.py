@@ -276,6 +276,31 @@ def test_grading():
 
 
 @pytest.mark.slow
+def test_peer():
+    """Runs against llama-server where one is already built (the quick run never builds it), else says why
+    the peer's rows are missing; every cell is the median of its rows, and each of ours is over the peer's."""
+    out = run_quick("peer.py")
+    rows, cells = out["rows"], out["cells"]
+    ours = {"decode-server", "gateway"}
+    peer_ran = out["peer"]["skipped"] is None
+    assert peer_ran or out["peer"]["skipped"]  # a reason, when skipped
+    assert {r["endpoint"] for r in rows} == ours | ({"llama-server"} if peer_ran else set())
+    for r in rows:
+        assert r["failed"] == 0 and r["completion_tokens"] == r["requests"] * (8 if r["workload"] == "decode-bound" else 4)
+        assert quotient(r["gen_tok_s"], r["completion_tokens"], r["wall_s"], 3, 2)
+    for c in cells:
+        same = [r for r in rows if all(r[k] == c[k] for k in ("workload", "concurrency", "busy_models", "endpoint"))]
+        assert c["rounds"] == len(same) == 1 and c["gen_tok_s"] == same[0]["gen_tok_s"]
+        peer = next((p for p in cells if p["endpoint"] == "llama-server"
+                     and all(p[k] == c[k] for k in ("workload", "concurrency", "busy_models"))), None)
+        if c["endpoint"] in ours and peer is not None:
+            assert quotient(c["speed_vs_peer"], c["gen_tok_s"], peer["gen_tok_s"], 2)
+        else:
+            assert c["speed_vs_peer"] is None
+    assert set(out["servers"]) == {f"local-{role}-{m}" for role in ("prefill", "decode") for m in ("qwen", "gpt-oss")}
+
+
+@pytest.mark.slow
 def test_hetero():
     import llama_cpp
 
@@ -323,6 +348,23 @@ def test_speculative():
         on, off = by[("ngram", prompts, int(c))], by[("off", prompts, int(c))]
         assert ratio == pytest.approx(on["decode_tok_s"] / off["decode_tok_s"], abs=2e-3)
     assert out["all_greedy_equal"] == all(r["greedy_equal"] for r in rows if r["proposer"] == "ngram")
+
+
+@pytest.mark.slow
+def test_link():
+    # on loopback: the emulated link needs root and network namespaces (tests/test_link_benchmark.py makes one)
+    out = run_quick("link.py", "--loopback-only")
+    assert out["rate_gbit"] is None and out["tokens"] == [512] and out["rounds"] == 1
+    (model,) = out["models"]
+    assert model["model"] == "wide" and len(model["rows"]) == 1
+    for r in model["rows"]:
+        assert r["link"] == "loopback" and r["prompt_tokens"] <= r["tokens"] and r["kv_bytes"] > 0
+        # the streamed handoff happened, imported as it arrived, and answered as the whole one did
+        assert r["greedy_equal"] is True and r["import"] == ["progressive"] and r["canary"] == ["passed"]
+        assert 0 <= r["exposed_transfer_s"] and 0 < r["whole_transfer_s"]
+        assert quotient(r["exposed_vs_whole_transfer"], r["exposed_transfer_s"], r["whole_transfer_s"], 6)
+        assert quotient(r["after_prefill_vs_whole_transfer"], r["ttft_after_prefill_overlapped_s"],
+                        r["whole_transfer_s"], 6)
 
 
 def test_every_benchmark_is_run_here():

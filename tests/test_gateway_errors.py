@@ -80,6 +80,8 @@ def test_bad_bodies_are_400s_naming_the_field():
         ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         ("/v1/completions", {"model": "qwen", "prompt": ["a", "b"]}, "prompt"),
         ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/completions", {"model": "qwen", "prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
+        ("/v1/chat/completions", {**CHAT, "ignore_eos": True, "response_format": {"type": "json_object"}}, "ignore_eos"),
     ]
     for path, body, param in cases:
         resp = client.post(path, json=body)

@@ -63,6 +63,19 @@ def test_completion(oai):
     assert resp.usage.completion_tokens > 0
 
 
+def test_ignore_eos_generates_exactly_max_tokens_through_the_handoff(gateway):
+    """vLLM's and llama.cpp's extra parameter, through the gateway, the client and the decode server: a
+    one-word answer that ends its turn at once goes on to max_tokens (SmolLM2: a real model that ends
+    its turns; the tiny models' random weights seldom do)."""
+    oai = openai.OpenAI(base_url=gateway + "/v1", api_key="not-needed", max_retries=0, timeout=300)
+    ask = {"model": "qwen", "messages": [{"role": "user", "content": "Answer with one word: is water wet?"}],
+           "max_tokens": 40, "temperature": 0}
+    short = oai.chat.completions.create(**ask)
+    assert short.usage.completion_tokens < 40 and short.choices[0].finish_reason == "stop"
+    full = oai.chat.completions.create(**ask, extra_body={"ignore_eos": True})
+    assert full.usage.completion_tokens == 40 and full.choices[0].finish_reason == "length"
+
+
 def test_streamed_chat_joins_to_the_non_streamed_text(oai, tiny_gateway):
     messages = [{"role": "user", "content": "Write one short sentence about the sea."}]
     whole = oai.chat.completions.create(model="qwen", messages=messages, max_completion_tokens=20, temperature=0)

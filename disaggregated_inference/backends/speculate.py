@@ -264,8 +264,13 @@ class Lookahead:
         self.drafted = self.accepted = 0
         self._last = history[-1]
 
-    def first(self):
-        """The first step: the prompt's last token (never with a draft: the handoff's canary reads its row)."""
+    def first(self, evaluated=None):
+        """The first step: the prompt's last token (never with a draft: the handoff's canary reads its row), or
+        ``evaluated``, that step already taken."""
+        if evaluated is not None:
+            self.history.append(self._last)
+            self.ev, self._at, self._settled = evaluated, 0, True
+            return evaluated
         return self.step([self._last], 0, draft=False)
 
     @property

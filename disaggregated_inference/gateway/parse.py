@@ -54,6 +54,7 @@ class GatewayRequest:
     reasoning_effort: str | None = None
     reasoning_budget: int | None = None
     show_reasoning: bool = True      # Ollama's think: false leaves the thinking out of the answer
+    ignore_eos: bool = False
 
     def client_kwargs(self) -> dict:
         """The keyword arguments of ``DisaggregatedClient.generate`` / ``.stream``."""
@@ -64,6 +65,8 @@ class GatewayRequest:
         if self.tools is not None:
             kwargs["tools"] = list(self.tools)
             kwargs["tool_choice"] = self.tool_choice
+        if self.ignore_eos:
+            kwargs["ignore_eos"] = True
         if self.messages is not None:
             kwargs["messages"] = [dict(m) for m in self.messages]
         else:
@@ -132,8 +135,10 @@ OPENAI_REFUSED = {
     "prediction": "predicted outputs are not supported", "echo": "echo is not supported",
     "suffix": "suffix (insertion) is not supported", "best_of": "best_of is not supported",
 }
+# ignore_eos: exactly max_tokens (vLLM's and llama.cpp's servers take it too); benchmarks need it
 OPENAI_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
-                 "user", "frequency_penalty", "presence_penalty", "response_format", "store", "metadata"}
+                 "user", "frequency_penalty", "presence_penalty", "response_format", "store", "metadata",
+                 "ignore_eos"}
 
 
 def _openai_common(body: dict) -> dict:
@@ -151,6 +156,10 @@ def _openai_common(body: dict) -> dict:
         raise BadRequest("'stream_options' is only allowed with 'stream': true", field="stream_options")
     if set(options) - {"include_usage"}:
         raise BadRequest("'stream_options' may only hold 'include_usage'", field="stream_options")
+    schema = _response_format(body.get("response_format"))
+    ignore_eos = _get(body, "ignore_eos", bool, False, what="a boolean")
+    if ignore_eos and schema is not None:  # a grammar ends its output with an end-of-generation token
+        raise BadRequest("'ignore_eos' cannot be combined with 'response_format'", field="ignore_eos")
     return {
         "model": _model(body),
         "stream": stream,
@@ -160,7 +169,8 @@ def _openai_common(body: dict) -> dict:
         "top_p": float(_number(body, "top_p", 1.0, 0.0, 1.0)),
         "seed": _number(body, "seed", None, -(1 << 31), (1 << 32) - 1, integer=True),
         "stop": _stop(body.get("stop"), "stop"),
-        "json_schema": _response_format(body.get("response_format")),
+        "json_schema": schema,
+        "ignore_eos": ignore_eos,
     }
 
 

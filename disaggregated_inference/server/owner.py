@@ -10,8 +10,15 @@ before it pulls a KV bundle, so it never consumes a lease it cannot serve.
 A batched backend (``BatchedBackend``, backends/base.py: llama.cpp) runs every
 admitted request as a generator on the owner thread: each step the owner collects
 the ``Eval`` requests of all of them and the backend evaluates them in one batch
-(continuous batching: requests join and leave between steps). Other backends (Ollama, which batches behind its own
-API) run each request to its end on one of ``slots`` worker threads.
+(continuous batching: requests join and leave between steps). A request that
+waits for something else (a streamed KV bundle's next pieces) yields a ``Wait``
+and is parked, the others going on, until its ``ready()`` holds; whoever makes it
+hold calls ``wake``. Other backends (Ollama, which batches behind its own API)
+run each request to its end on one of ``slots`` worker threads.
+
+With ``cores`` (a ``cores.CoreShare``), the owner takes its share of the machine's cores before
+every step and says when it has nothing to compute, so that servers sharing a machine compute
+with as many threads as fit its cores (``server/cores.py``).
 
 The owner thread also loads the model, so a server answers /health while loading.
 At interpreter exit (a worker told to stop) the owner is stopped and joined, so the
@@ -35,6 +42,12 @@ from ..errors import BackendUnavailable, Overloaded
 
 log = logging.getLogger(__name__)
 _STOP = object()
+_WAKE = object()
+PARKED_POLL_SECONDS = 1.0  # a parked request's ready() is checked at least this often, woken or not
+
+
+def _is_eval(item) -> bool:
+    return hasattr(item, "seq") and hasattr(item, "tokens")
 
 
 class Reservation:
@@ -85,8 +98,10 @@ class _Task:
 
 
 class ModelOwner:
-    def __init__(self, backend, queue_timeout: float = 30.0, max_queue: int = 64):
+    def __init__(self, backend, queue_timeout: float = 30.0, max_queue: int = 64, cores=None):
         self.backend = backend
+        self.cores = cores
+        self.compute_threads: int | None = None  # set through cores before each step
         self.queue_timeout = queue_timeout
         self.max_queue = max_queue
         self.slots = getattr(backend, "slots", 1)
@@ -192,6 +207,10 @@ class ModelOwner:
         """
         return _JobStream(self._submit(fn, True, reservation, progress))
 
+    def wake(self) -> None:
+        """Have the owner check its parked requests (a ``Wait``'s condition may hold now)."""
+        self._jobs.put(_WAKE)
+
     def close(self) -> None:
         self._jobs.put(_STOP)
 
@@ -218,6 +237,8 @@ class ModelOwner:
                 self._serve_threads()
         finally:
             self.backend.close()
+            if self.cores is not None:
+                self.cores.close()
 
     def _serve_threads(self) -> None:
         def worker():
@@ -226,6 +247,8 @@ class ModelOwner:
                 if job is _STOP:
                     self._jobs.put(_STOP)  # let the other workers see it
                     return
+                if job is _WAKE:  # nothing parks here: each request has its thread
+                    continue
                 with self._lock:
                     self.active += 1
                 try:
@@ -243,8 +266,11 @@ class ModelOwner:
     def _serve_batched(self) -> None:
         active: list[_Task] = []
         while True:
-            try:  # wait for work only when there is nothing to step
-                job = self._jobs.get(block=not active)
+            stepping = any(_is_eval(t.pending) for t in active)
+            if not stepping and self.cores is not None:  # nothing to compute (parked requests wait on the network)
+                self.cores.idle()
+            try:  # wait for work only when there is nothing to step (parked requests are looked at now and then)
+                job = self._jobs.get(block=not stepping, timeout=PARKED_POLL_SECONDS if active else None)
             except queue.Empty:
                 job = None
             while job is not None:
@@ -253,18 +279,25 @@ class ModelOwner:
                         task.gen.close()
                         task.job.reservation.release()
                     return
-                self._start(job, active)
+                if job is not _WAKE:
+                    self._start(job, active)
                 try:
                     job = self._jobs.get_nowait()
                 except queue.Empty:
                     job = None
             for task in [t for t in active if t.job.cancelled]:
                 self._finish(task, active, None)
-            pending = [t for t in active if t.pending is not None]
+            for task in [t for t in active if t.pending is not None and not _is_eval(t.pending)]:
+                if task.pending.ready():
+                    self._advance(task, active)
+            pending = [t for t in active if _is_eval(t.pending)]
             self.active = len(active)
             if not pending:
                 continue
             before = [t.pending.done for t in pending]
+            if self.cores is not None:
+                self._take_cores()
+                wall, cpu = time.perf_counter(), time.thread_time()
             try:
                 n = self.backend.evaluate([t.pending for t in pending])
             except Exception as exc:
@@ -272,6 +305,8 @@ class ModelOwner:
                 for task in pending:
                     self._finish(task, active, ("error", exc))
                 continue
+            if self.cores is not None:
+                self.cores.stepped(self.compute_threads, time.perf_counter() - wall, time.thread_time() - cpu)
             self.steps += 1
             self.batch_tokens.append(n)
             self.on_step(len(pending), n)
@@ -280,6 +315,13 @@ class ModelOwner:
                     task.job.progress.evaluated += task.pending.done - done
                 if task.pending.complete:
                     self._advance(task, active)
+
+    def _take_cores(self) -> None:
+        """This step's share of the machine's cores (the backend keeps a count until it changes)."""
+        threads = self.cores.threads()
+        if threads != self.compute_threads:
+            self.backend.set_threads(threads)
+            self.compute_threads = threads
 
     def _start(self, job: _Job, active: list) -> None:
         try:
@@ -302,7 +344,7 @@ class ModelOwner:
         try:
             while True:
                 item = task.gen.send(None)
-                if hasattr(item, "seq") and hasattr(item, "tokens"):  # an Eval
+                if _is_eval(item) or hasattr(item, "ready"):  # an Eval, or a Wait: parked until ready()
                     task.pending = item
                     return
                 job.out.put(("item", item))
@@ -319,6 +361,8 @@ class ModelOwner:
             task.gen.close()
         if task in active:
             active.remove(task)
+        if not active and self.cores is not None:  # idle before the answer leaves: the next server's turn
+            self.cores.idle()
         task.job.reservation.release()
         if outcome is not None:
             task.job.out.put(outcome)

@@ -30,9 +30,9 @@ import threading
 from typing import Callable, Iterator
 
 from ..errors import DisaggError
+from ..watch import HEARTBEAT_SECONDS
 
 log = logging.getLogger(__name__)
-HEARTBEAT_SECONDS = 1.0
 
 
 class Progress:

@@ -25,7 +25,7 @@ from ..errors import (BadRequest, DisaggError, ModelNotFound, PayloadTooLarge, R
 from ..kv.receive import socket_buffer_in_effect
 from ..tuning import copy_tunable_in_effect
 from . import resources  # psutil: imported with the app (metrics.py samples it for /metrics too)
-from . import admission
+from . import admission, cores
 from .metrics import ServerMetrics
 from .parse import Limits, parse_json
 from .owner import ModelOwner
@@ -71,7 +71,8 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
     app.json.sort_keys = False
     backend = backend or backends.create(settings.model)
     backend.canary = CanaryPolicy.from_settings(settings)
-    st = ServerContext(settings, ModelOwner(backend, settings.queue_timeout, settings.max_queue), leases=leases,
+    owner = ModelOwner(backend, settings.queue_timeout, settings.max_queue, cores=cores.for_server(settings, backend))
+    st = ServerContext(settings, owner, leases=leases,
                      metrics=ServerMetrics(settings.role, leases, name=settings.name, model=settings.model.name,
                                            backend=settings.model.backend, version=__version__))
     st.metrics.watch_owner(st.owner)
@@ -129,11 +130,18 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
             "options": options.values(settings.model),  # the model's settings, as its engine declares them
             "handoff": getattr(owner.backend, "handoff_kind", None),
             "accepts": list(getattr(owner.backend, "accepts", ())),  # bundle kinds its /decode continues
+            # whole bundles, and streamed ones (the overlapped handoff): what a prefill server sends, what a
+            # decode server takes (all of this version, imported as they arrive where the backend can)
+            "handoff_modes": ["whole", "streamed"] if settings.role == "decode" or (
+                getattr(owner.backend, "kv_streaming", None) or {"enabled": False}).get("enabled") is not False
+            else ["whole"],
             "progress": owner.progress,
             "error": owner.error,
             "busy": owner.busy,
             "queued": owner.queued,
             "slots": owner.slot_stats(),
+            "compute_threads": owner.compute_threads,  # of the last step, where the cores are shared
+            "core_share": owner.cores.describe() if owner.cores is not None else None,
             "uptime_s": round(time.time() - st.started_at, 1),
             "non_temporal_copy_bytes": copy_tunable_in_effect(),
             "version": __version__,
