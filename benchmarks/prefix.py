@@ -29,31 +29,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import quick  # noqa: E402
-from disaggregated_inference import config as cluster_config  # noqa: E402
 from disaggregated_inference.backends import ModelSettings, create  # noqa: E402
 from disaggregated_inference.backends.base import Prompt  # noqa: E402
-from disaggregated_inference.grading import GradingOptions, load_rubric  # noqa: E402
-from disaggregated_inference.grading.analysis import plan_requests  # noqa: E402
-from disaggregated_inference.grading.evidence import check_rubric, collect_evidence  # noqa: E402
-from disaggregated_inference.grading.notebook import load_submission  # noqa: E402
 
 
 def grader_prompts(role: str = "code") -> tuple[str, list[tuple[str, str]]]:
     """(the config's model name, [(notebook, prompt)]) for one role of the grader's requests."""
-    cfg = cluster_config.coerce(json.loads((ROOT / "config_current.json").read_text()))
-    options = GradingOptions.for_cluster(cfg)
-    rubric = load_rubric(ROOT / "examples" / "rubric.yaml")
     out, model = [], None
-    for path in sorted((ROOT / "examples" / "notebooks").rglob("*.ipynb")):
-        sub = load_submission(path)
-        if not sub.ok:
-            continue
-        evidence = collect_evidence(sub.notebook)
-        requests, _ = plan_requests(rubric, sub.notebook, evidence, check_rubric(rubric, evidence), options)
-        for r in requests:
-            if r.role == role:
-                model = r.kwargs["model"]
-                out.append((path.stem, r.kwargs["prompt"]))
+    for path, r in quick.grader_requests():
+        if r.role == role:
+            model = r.kwargs["model"]
+            out.append((path.stem, r.kwargs["prompt"]))
     return model, out
 
 

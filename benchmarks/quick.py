@@ -62,6 +62,32 @@ def on_tiny_model(data: dict, keep=("qwen",)) -> dict:
     return data
 
 
+def grader_requests(paths=None) -> list:
+    """[(notebook path, ModelRequest)]: the requests the grader plans (``plan_requests``) for each notebook of
+    ``paths`` (default: every example notebook) that loads, with the embedded config's grading options."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    import json
+
+    from disaggregated_inference import config as cluster_config
+    from disaggregated_inference.grading import GradingOptions, load_rubric
+    from disaggregated_inference.grading.analysis import plan_requests
+    from disaggregated_inference.grading.evidence import check_rubric, collect_evidence
+    from disaggregated_inference.grading.notebook import load_submission
+
+    options = GradingOptions.for_cluster(cluster_config.coerce(json.loads((ROOT / "config_current.json").read_text())))
+    rubric = load_rubric(ROOT / "examples" / "rubric.yaml")
+    out = []
+    for path in (sorted((ROOT / "examples" / "notebooks").rglob("*.ipynb")) if paths is None else paths):
+        sub = load_submission(path)
+        if not sub.ok:
+            continue
+        evidence = collect_evidence(sub.notebook)
+        planned, _ = plan_requests(rubric, sub.notebook, evidence, check_rubric(rubric, evidence), options)
+        out += [(path, r) for r in planned]
+    return out
+
+
 def say(message: str) -> None:
     """Progress, on stderr (stdout carries the JSON)."""
     print(message, file=sys.stderr, flush=True)

@@ -50,12 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import quick  # noqa: E402
-from disaggregated_inference.grading import GradingOptions, load_rubric  # noqa: E402
-from disaggregated_inference.grading.analysis import CODE, plan_requests  # noqa: E402
-from disaggregated_inference.grading.evidence import check_rubric, collect_evidence  # noqa: E402
-from disaggregated_inference.grading.notebook import load_submission  # noqa: E402
+from disaggregated_inference.grading.analysis import CODE  # noqa: E402
 from disaggregated_inference.ops.cluster import LocalCluster  # noqa: E402
-from disaggregated_inference import config as cluster_config  # noqa: E402
 
 FREE = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -70,24 +66,16 @@ FREE = [
 SLOTS = 8
 
 
-def code_requests(config) -> tuple[list[dict], list[dict]]:
-    """The grader's code-analysis requests (calibration notebooks first), and its feedback requests, as
-    /generate bodies: prompt, schema, sampling."""
-    options = GradingOptions.for_cluster(config)
-    rubric = load_rubric(ROOT / "examples" / "rubric.yaml")
-    paths = sorted((ROOT / "examples" / "notebooks" / "calibration").glob("*.ipynb"))
-    paths += sorted((ROOT / "examples" / "notebooks").glob("*.ipynb"))
+def code_requests() -> tuple[list[dict], list[dict]]:
+    """The grader's code-analysis requests for the example notebooks (calibration notebooks first), and its
+    feedback requests, as /generate bodies: prompt, schema, sampling."""
+    notebooks = ROOT / "examples" / "notebooks"
+    paths = sorted((notebooks / "calibration").glob("*.ipynb")) + sorted(notebooks.glob("*.ipynb"))
     out, feedback = [], []
-    for path in paths:
-        sub = load_submission(path)
-        if not sub.ok:
-            continue
-        evidence = collect_evidence(sub.notebook)
-        planned, _ = plan_requests(rubric, sub.notebook, evidence, check_rubric(rubric, evidence), options)
-        for r in planned:
-            (out if r.role == CODE else feedback).append(
-                {"prompt": r.kwargs["prompt"], "json_schema": r.kwargs["json_schema"],
-                 "max_new_tokens": r.kwargs["max_tokens"], "temperature": 0})
+    for _, r in quick.grader_requests(paths):
+        (out if r.role == CODE else feedback).append(
+            {"prompt": r.kwargs["prompt"], "json_schema": r.kwargs["json_schema"],
+             "max_new_tokens": r.kwargs["max_tokens"], "temperature": 0})
     return out, feedback
 
 
@@ -177,7 +165,7 @@ def main(argv=None) -> int:
 
     data = config_dict(args.threads, args.quick)
     bodies8: dict[str, list[dict]] = {}
-    code, feedback = code_requests(cluster_config.coerce(json.loads((ROOT / "config_current.json").read_text())))
+    code, feedback = code_requests()
     sets = {"code": code, "free": free_requests(args.free_tokens)}
     fill = {"code": feedback[:1], "free": []}  # the eighth concurrent request where a set has 7
     for name, bodies in sets.items():
