@@ -369,3 +369,20 @@ def test_a_kept_guess_the_format_replaces_loses_its_cell():
     fed = look.step([400], room=10, draft=False)
     assert fed.pos == 4 and dropped == [4]  # nothing more to drop
     assert look.finish() == {"draft_tokens": 2, "accepted_tokens": 0}
+
+
+def test_drafts_never_crowd_a_prompt_chunk_out_of_the_step(tiny):
+    import llama_cpp
+
+    seqs = [tiny._acquire()[0] for _ in range(4)]
+    try:
+        drafted = [Eval(s, list(range(100, 109)), 0, draft_acceptance=0.99) for s in seqs[:3]]
+        prompt = Eval(seqs[3], list(range(200, 200 + 600)), 0)
+        tiny.evaluate(drafted + [prompt])
+        assert all(ev.complete and len(ev.tokens) == 9 for ev in drafted)  # every guess verified
+        assert prompt.done == tiny.settings.n_batch  # and the prompt's whole first chunk beside them
+    finally:
+        mem = llama_cpp.llama_get_memory(tiny.ctx.ctx)
+        for s in seqs:
+            llama_cpp.llama_memory_seq_rm(mem, s, -1, -1)
+            tiny._release(s)

@@ -169,7 +169,9 @@ class LlamaCppBackend(BatchedBackend):
         cp.n_seq_max = self.slots
         cp.kv_unified = False  # a KV stream per slot: see kv/llama_state.py
         cp.n_ctx = s.n_ctx * self.slots
-        self._batch_capacity = s.n_batch + self.slots  # one prompt chunk plus a token for every slot
+        # one prompt chunk plus, for every slot, its token and a draft of guesses (speculation: a request may ask
+        # for it whatever the setting), so that drafts never crowd a prompt's chunk out of a step
+        self._batch_capacity = s.n_batch + self.slots * (1 + s.draft_max)
         cp.n_batch = self._batch_capacity
         cp.n_ubatch = self._n_ubatch = min(512, s.n_batch)
         threads = self.compute_threads(s)
