@@ -101,9 +101,9 @@ class LlamaCppSettings(ChatSettings):
                                      "the step); the default of the model's requests, which may name either",
                               choices=PROPOSERS)
     draft_max: int = option(8, "speculation: most guesses one step verifies for a sequence", low=1)
-    draft_min_match: int = option(1, "speculation: the shortest n-gram match that may draft (which drafts pay is "
-                                     "decided per step from the measured step cost and each sequence's acceptance)",
-                                  low=1)
+    draft_min_match: int = option(3, "speculation: the shortest n-gram match that may draft (which of those drafts "
+                                     "pay is decided per step from the measured step cost and each sequence's "
+                                     "acceptance)", low=1)
 
 
 class LlamaCppBackend(BatchedBackend):

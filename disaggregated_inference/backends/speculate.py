@@ -128,7 +128,7 @@ class PromptLookup(Proposer):
         self.stopped = self._failures >= GIVE_UP_AFTER
 
 
-def proposer(kind: str, max_draft: int = 8, min_match: int = 1) -> Proposer | None:
+def proposer(kind: str, max_draft: int = 8, min_match: int = 3) -> Proposer | None:
     """The proposer named ``kind`` (one of ``PROPOSERS``); None for ``off``."""
     if kind == "off":
         return None
