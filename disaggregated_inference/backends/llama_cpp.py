@@ -80,6 +80,8 @@ class LlamaCppSettings(ModelSettings):
                                       "evaluates only the rest (off by itself on sliding-window models)")
     type_k: str = option("f16", "the K cache's type (the same on both sides of a handoff)", choices=KV_TYPES)
     type_v: str = option("f16", "the V cache's type (quantized types need flash_attn)", choices=KV_TYPES)
+    deterministic: bool = option(True, "a sequence's logits are bit for bit the same alone or beside any others "
+                                       "(batch-invariant steps: docs/ARCHITECTURE.md, Determinism)")
 
 
 class LlamaCppBackend(BatchedBackend):
@@ -131,6 +133,8 @@ class LlamaCppBackend(BatchedBackend):
         llama_cpp.llama_backend_init()
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = s.n_gpu_layers
+        if s.deterministic:  # repacked weights (Q4_0, Q4_K, IQ4_NL) compute 4-row groups and the rest apart
+            mp.use_extra_bufts = False
         self.model = _internals.LlamaModel(path_model=str(self.model_path), params=mp, verbose=False)
         cp = llama_cpp.llama_context_default_params()
         cp.n_seq_max = self.slots
@@ -138,7 +142,8 @@ class LlamaCppBackend(BatchedBackend):
         cp.n_ctx = s.n_ctx * self.slots
         self._batch_capacity = s.n_batch + self.slots  # one prompt chunk plus a token for every slot
         cp.n_batch = self._batch_capacity
-        cp.n_ubatch = min(512, s.n_batch)
+        # deterministic: one ubatch holds a token of every slot (see _evaluate_invariant)
+        cp.n_ubatch = max(min(512, s.n_batch), self.slots if s.deterministic else 1)
         threads = self.compute_threads(s)
         cp.n_threads = cp.n_threads_batch = threads
         self._threads = threads if self.engine.endswith("/cpu") else None
@@ -215,6 +220,7 @@ class LlamaCppBackend(BatchedBackend):
         return {"model_file": str(self.model_path), "n_ctx": self.settings.n_ctx, "parallel": self.slots,
                 "arch": self._fingerprint.get("arch"), "n_swa": self._fingerprint.get("n_swa"),
                 "n_vocab": self._fingerprint.get("n_vocab"), "prefix_cache": self._prefix_cache,
+                "deterministic": bool(self.settings.deterministic),
                 "library_version": self._fingerprint.get("library_version"),
                 "chat_template": self._template_source}
 
@@ -287,13 +293,14 @@ class LlamaCppBackend(BatchedBackend):
         return {seq: len(held) for seq, held in sorted(self._cached.items())}
 
     def evaluate(self, evals: list[Eval]) -> int:
-        """One step: one ``llama_decode`` over the pending requests; returns the batch's token count.
+        """One step over the pending requests; returns the tokens evaluated (padding not counted).
 
         Single tokens (generating sequences) all go in; then each prompt's next
         chunk of up to ``n_batch`` tokens (chunk boundaries at multiples of
         ``n_batch`` from position 0, so a prompt's numerics depend neither on what
         ran beside it nor on a cached prefix) while room is left. An ``Eval``
-        whose tokens are all in gets ``row``.
+        whose tokens are all in gets ``row``. Without ``deterministic`` that is one
+        ``llama_decode``; with it, ``_evaluate_invariant``.
 
         The batch lists its sequences in ascending id order. With a KV stream per
         slot, llama.cpp splits a batch into ubatches with ``split_equal(...,
@@ -304,40 +311,110 @@ class LlamaCppBackend(BatchedBackend):
         as the free list handed the slots out in reverse). ``_acquire`` keeps busy
         ids dense for the same reason.
         """
-        import llama_cpp
-
-        b, n, room = self._batch, 0, self._batch_capacity
+        deterministic = self.settings.deterministic
+        room, used, chosen = self.settings.n_batch + self.slots, 0, []
         chunk = self.settings.n_batch
-        chosen, used = [], 0
         for ev in sorted(evals, key=lambda e: (len(e.tokens) - e.done, e.seq)):  # singles first, then chunks
             # chunks end at multiples of n_batch counted from position 0, wherever the Eval starts (a prompt
             # after a cached prefix is cut where the whole prompt would be: see _aligned_reuse)
-            take = min(chunk - (ev.pos + ev.done) % chunk, len(ev.tokens) - ev.done)
+            left = len(ev.tokens) - ev.done
+            take = min(chunk - (ev.pos + ev.done) % chunk, left)
+            if deterministic and ev.logits and left > 1:
+                take = min(take, left - 1)  # the token whose logits are wanted goes in as a single, next step
             if take <= room - used:
                 chosen.append((ev, take))
                 used += take
+        if not chosen:
+            return 0
+        if deterministic:
+            return self._evaluate_invariant(chosen)
+        self._decode(chosen)
+        for ev, _ in chosen:
+            ev.alone = len(chosen) == 1
+        return used
+
+    def _evaluate_invariant(self, chosen: list[tuple[Eval, int]]) -> int:
+        """A step whose every row is computed as it would be with no other sequence beside it.
+
+        Measured (docs/ARCHITECTURE.md, Determinism): ggml's CPU kernels compute a
+        ubatch of one sequence otherwise than one of several (a lone generating token
+        moved the tiny F16 llama's logits by 5e-7 a step, 1e-3 after seven), and
+        llama.cpp's ``split_equal`` gives a ubatch as many tokens of each sequence as
+        its shortest one has, so a prompt chunk beside generating tokens was cut into
+        other row counts (Gemma 3 without flash attention: 1.0 apart). Hence each
+        prompt chunk in a ``llama_decode`` of its own, as when it is alone; and the
+        single tokens in one ``llama_decode`` where no ubatch holds one sequence only:
+        a single whose neighbouring ids bring no token (``split_equal`` groups only
+        consecutive ids) gets a throwaway row in a neighbouring slot's stream, one
+        position past what that stream holds, whose cell is dropped after the step.
+        Only singles want logits (``evaluate``), and they go last, so their rows stay
+        readable until the next step."""
+        import llama_cpp
+
+        mem = llama_cpp.llama_get_memory(self.ctx.ctx)
+        total = 0
+        for ev, take in chosen:
+            if take > 1:
+                self._decode([(ev, take)])
+                total += take
+        singles = [(ev, take) for ev, take in chosen if take == 1]
+        if singles:
+            ids = {ev.seq for ev, _ in singles}
+            pads, unpadded = [], []
+            for ev, _ in singles:
+                if ev.seq - 1 in ids or ev.seq + 1 in ids or self.slots == 1:
+                    continue  # beside another single (or the only slot there is: always alone)
+                for other in (ev.seq + 1, ev.seq - 1):
+                    if 0 <= other < self.slots and other not in {p[0] for p in pads}:
+                        held = llama_cpp.llama_memory_seq_pos_max(mem, other) + 1
+                        if held < self.settings.n_ctx:
+                            pads.append((other, held, ev.tokens[ev.done]))
+                            break
+                else:
+                    unpadded.append(ev)  # both neighbours' streams full: not promised
+            self._decode(singles, pads)
+            total += len(singles)
+            for seq, pos, _ in pads:
+                llama_cpp.llama_memory_seq_rm(mem, seq, pos, -1)
+        for ev, _ in chosen:
+            ev.alone = ev not in unpadded if singles else True  # its numerics are those of a step of its own
+        return total
+
+    def _decode(self, chosen: list[tuple[Eval, int]], pads=None) -> None:
+        """One ``llama_decode`` of ``take`` tokens of each ``Eval`` and the throwaway rows ``pads``
+        (``(seq, pos, token)``), in ascending sequence ids; advances the ``Eval``s and sets ``row``.
+        With ``pads`` (a list, maybe empty: the singles of a deterministic step) every row is an output:
+        llama.cpp computes the last layer's feed-forward and the output matrix for the output rows
+        only, and one output row takes another matmul path than two or more (5e-7 on the tiny llama)."""
+        import llama_cpp
+
+        b, n = self._batch, 0
         placed = []
-        for ev, take in sorted(chosen, key=lambda c: c[0].seq):
+        every = pads is not None
+        rows = [(ev.seq, ev, take) for ev, take in chosen] + [(seq, (pos, token), 0) for seq, pos, token in pads or ()]
+        for seq, ev, take in sorted(rows, key=lambda r: r[0]):
+            if not take:  # padding
+                pos, token = ev
+                b.token[n], b.pos[n], b.n_seq_id[n], b.logits[n] = token, pos, 1, True
+                b.seq_id[n][0] = seq
+                n += 1
+                continue
             for i in range(ev.done, ev.done + take):
                 b.token[n] = ev.tokens[i]
                 b.pos[n] = ev.pos + i
                 b.n_seq_id[n] = 1
                 b.seq_id[n][0] = ev.seq
-                b.logits[n] = ev.logits and i == len(ev.tokens) - 1
+                b.logits[n] = every or (ev.logits and i == len(ev.tokens) - 1)
                 n += 1
             placed.append((ev, take, n - 1))
-        if not n:
-            return 0
         b.n_tokens = n
         rc = llama_cpp.llama_decode(self.ctx.ctx, b)
         if rc != 0:
             raise RuntimeError(f"llama_decode failed ({rc}) for a batch of {n} tokens")
         for ev, take, last in placed:
             ev.done += take
-            ev.alone = len(placed) == 1
             if ev.complete:
                 ev.row = last
-        return n
 
     # -- in-process use (tests, benchmarks, tools): one request at a time on the calling thread -----
 
@@ -492,7 +569,7 @@ class LlamaCppBackend(BatchedBackend):
                 ev = Eval(seq, [tokens[-1]], len(tokens) - 1)
                 yield ev
                 canary = self.canary.make(self._row_logits(ev.row), self.engine, alone=ev.alone,
-                                          threads=self._threads)
+                                          threads=self._threads, deterministic=self.settings.deterministic)
             canary_time = time.perf_counter() - t3
             keep = tokens
         finally:
@@ -616,7 +693,8 @@ class LlamaCppBackend(BatchedBackend):
             try:
                 extra = {**extra, **self.canary.check(canary, self._row_logits(ev.row), self.engine,
                                                       exact=ev.alone and self._restores_exactly(len(tokens)),
-                                                      threads=self._threads)}
+                                                      threads=self._threads,
+                                                      deterministic=self.settings.deterministic)}
             except BaseException:
                 sampler.close()
                 raise
