@@ -230,3 +230,20 @@ def test_under_load_the_canary_holds_the_exact_tolerance_and_refuses_a_damaged_s
     m = good.json()["metrics"]
     assert m["canary"] == "passed" and m["canary_divergence"] == 0.0 and m["canary_tolerance"] == 1e-4, m
     assert canary_counts(http, tiny_decode)["failures"] == before["failures"] + 1
+
+
+def test_the_graders_embedded_cluster_runs_every_llama_cpp_server_deterministic_whatever_its_config_says():
+    from disaggregated_inference import config as cluster_config
+    from disaggregated_inference.grading.connect import deterministic
+    from disaggregated_inference.server.settings import from_cluster
+
+    from .conftest import tiny_config_dict
+
+    data = tiny_config_dict()
+    data["models"]["qwen"]["deterministic"] = False
+    data["decode_servers"][1]["deterministic"] = False  # a server's own override too
+    cfg = cluster_config.from_dict(data)
+    assert not from_cluster(cfg, "local-decode-qwen").model.deterministic
+    graded = deterministic(cfg)
+    assert all(from_cluster(graded, e.name).model.deterministic for e in graded.servers)
+    assert cfg.decode_servers[0].settings["deterministic"] is False  # the caller's config is left alone
