@@ -1,8 +1,8 @@
-"""Benchmark: engine pairs into an MLX decode server: the handoff against the decode server alone.
+"""Benchmark: engine pairs: the handoff against the decode server alone, and vLLM's prefill throughput.
 
-For each pair (llama.cpp -> MLX, MLX -> MLX, transformers -> MLX; real gunicorn servers on
-loopback, SmolLM2 from the shipped GGUF on every side) and raw prompts of about 128, 512 and
-1,024 tokens, it measures:
+For each pair (llama.cpp -> MLX, MLX -> MLX, transformers -> MLX, vLLM -> llama.cpp, vLLM -> MLX;
+real gunicorn servers on loopback, SmolLM2 from the shipped GGUF on every side) and raw prompts of
+about 128, 512 and 1,024 tokens, it measures:
 
 - ``handoff_ttft_s``: from sending ``/prefill`` (``kv_kind: neutral_kv``) to the decode server's
   first token of ``/decode`` (the decode request's send time plus its own ``ttft``), as the
@@ -12,12 +12,23 @@ loopback, SmolLM2 from the shipped GGUF on every side) and raw prompts of about 
   ``handoff_vs_decode_only`` divides the first by the second;
 - ``convert_ms``: the conversion to the decode server's layout where the pair needs one: the
   llama.cpp state -> neutral on the prefill server (its ``kv_convert_time``), the head-dim
-  permutation of K on the MLX decode server for transformers' bundles (its ``kv_convert_time``);
-  MLX -> MLX converts nothing (null); ``convert_ms_per_mb`` per MB of the neutral bundle;
-- ``kv_bytes_per_token``: the neutral bundle's bytes per cached token (float32 from MLX and
-  transformers, float16 from llama.cpp, whose cache type it keeps), and ``import_ms``, the decode
-  server's ``kv_load_time`` (pull, checks, import; the permutation included);
-- ``prefill_ms``: the prefill server's evaluation of the prompt (all tokens but the last).
+  permutation of K on the MLX decode server for transformers' and vLLM's bundles, the neutral
+  bundle -> llama.cpp state on the llama.cpp decode server (K's order, float32 -> its f16 cache;
+  each a ``kv_convert_time``); MLX -> MLX converts nothing (null); ``convert_ms_per_mb`` per MB of
+  the neutral bundle;
+- ``kv_bytes_per_token``: the neutral bundle's bytes per cached token (float32 from MLX,
+  transformers and vLLM, float16 from llama.cpp, whose cache type it keeps), and ``import_ms``, the
+  decode server's ``kv_load_time`` (pull, checks, import; the conversion included);
+- ``prefill_ms``: the prefill server's evaluation of the prompt (all tokens but the last; vLLM's
+  evaluates the last too, its canary).
+
+Where vLLM runs (its pairs are left out where it is not installed), ``prefill_throughput`` compares
+its prefill server with the llama.cpp one (both ``parallel`` 8: vLLM's ``max_num_seqs``,
+llama.cpp's slots) at 1 and 8 concurrent prompts: raw prompts of the largest size that differ
+within their first tokens (neither prefix cache helps), ``--throughput-prompts`` of them at 8 at
+once and a quarter as many one at a time, each
+``/prefill`` answered with its bundle under a lease (released at once): prompt tokens per second
+of wall time, as a client sees the server.
 
 Each figure is the median of ``--repeat`` runs (the two paths alternate); one run of each pair
 first warms every server. On a machine where the prefill and decode servers share the CPU, the
@@ -53,22 +64,34 @@ FILLER = ("The quarterly sales report lists revenue by region, product line and 
 # pair name -> (model key, prefill server, decode server)
 PAIRS = {"llama_cpp->mlx": ("smol", "prefill-llama", "decode-mlx"),
          "mlx->mlx": ("smol-mlx", "prefill-mlx", "decode-mlx-2"),
-         "transformers->mlx": ("smol-tf", "prefill-tf", "decode-mlx-3")}
+         "transformers->mlx": ("smol-tf", "prefill-tf", "decode-mlx-3"),
+         "vllm->llama_cpp": ("smol-vllm", "prefill-vllm", "decode-llama-v"),
+         "vllm->mlx": ("smol-vllm", "prefill-vllm", "decode-mlx-v")}
+# the others decode on MLX; llama.cpp's decode server recomputes every decode-only prompt (no prefix cache: a
+# repeated prompt, or the one a handoff just imported, would otherwise be found in its slots)
+DECODE_SETTINGS = {"decode-llama-v": {"backend": "llama_cpp", "prefix_cache": False}}
+THROUGHPUT_SERVERS = {"vllm": "prefill-vllm", "llama_cpp": "prefill-llama"}
+THROUGHPUT_PARALLEL = 8
 
 
 def cluster_config(threads: int, pairs, model_file: str = "smollm2") -> dict:
     model = {"backend": "llama_cpp", "model": model_file, "n_ctx": 4096, "n_threads": threads, "parallel": 1}
     models = {"smol": dict(model), "smol-mlx": dict(model, backend="mlx"),
-              "smol-tf": dict(model, backend="transformers", device="cpu", n_threads=1)}
+              "smol-tf": dict(model, backend="transformers", device="cpu", n_threads=1),
+              "smol-vllm": dict(model, backend="vllm", parallel=THROUGHPUT_PARALLEL)}
+    if any(PAIRS[p][0] == "smol-vllm" for p in pairs):  # the throughput comparison's llama.cpp server batches too
+        models["smol"]["parallel"] = THROUGHPUT_PARALLEL
     config = {"models": {}, "prefill_servers": [], "decode_servers": [],
               "client": {"prefill_timeout": 300, "decode_timeout": 600, "health_check_interval": 0},
               "server": {"lease_seconds": 120, "queue_timeout": 300}}
-    for i, name in enumerate(pairs):
+    port = iter(range(18210, 18230))
+    for name in pairs:
         key, prefill, decode = PAIRS[name]
         config["models"][key] = models[key]
-        config["prefill_servers"].append({"name": prefill, "host": "127.0.0.1", "port": 18210 + 2 * i, "model": key})
-        config["decode_servers"].append({"name": decode, "host": "127.0.0.1", "port": 18211 + 2 * i, "model": key,
-                                         "backend": "mlx"})
+        if all(s["name"] != prefill for s in config["prefill_servers"]):  # the vLLM pairs share their prefill server
+            config["prefill_servers"].append({"name": prefill, "host": "127.0.0.1", "port": next(port), "model": key})
+        config["decode_servers"].append({"name": decode, "host": "127.0.0.1", "port": next(port), "model": key,
+                                         **DECODE_SETTINGS.get(decode, {"backend": "mlx"})})
     return config
 
 
@@ -93,7 +116,8 @@ def handoff(http, prefill_url: str, decode_url: str, prompt: str) -> dict:
     return {"prompt_tokens": p["prompt_tokens"], "ttft": sent - started + m["ttft"],
             "convert": convert, "kv_bytes": pre["kv"]["bytes"], "kv_bytes_per_token": pre["kv"]["bytes"] / n_kv,
             "kv_state_bytes": p.get("kv_state_bytes"), "import": m["kv_load_time"], "prefill": p["prefill_time"],
-            "canary": m.get("canary"), "canary_divergence": m.get("canary_divergence")}
+            "canary": m.get("canary"), "canary_divergence": m.get("canary_divergence"),
+            "cached": p.get("prompt_tokens_cached") or 0}
 
 
 def decode_only(http, decode_url: str, prompt: str) -> dict:
@@ -103,6 +127,40 @@ def decode_only(http, decode_url: str, prompt: str) -> dict:
     m = answer.json()["metrics"]
     assert m["prompt_tokens_recomputed"] == m["prompt_tokens"], m
     return {"ttft": m["ttft"], "prompt_tokens": m["prompt_tokens"]}
+
+
+def prefill_throughput(urls: dict, prompts: list[str], concurrency: int, servers: dict) -> list[dict]:
+    """Prompt tokens per second of each prefill server in ``servers`` (engine -> server name), ``prompts``
+    sent ``concurrency`` at a time; each bundle's lease is released as soon as its answer is in."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows = []
+    for engine, server in servers.items():
+        url = urls[server]
+
+        def one(prompt: str) -> dict:
+            with requests.Session() as http:
+                answer = http.post(f"{url}/prefill", json={"prompt": prompt, "raw": True}, timeout=900)
+                answer.raise_for_status()
+                body = answer.json()
+                http.delete(f"{url}/kv/{body['kv']['handle']}", timeout=60)
+                return body["metrics"]
+
+        started = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            done = list(pool.map(one, prompts))
+        wall = time.perf_counter() - started
+        tokens = sum(m["prompt_tokens"] for m in done)
+        rows.append({"engine": engine, "concurrency": concurrency, "prompts": len(prompts), "prompt_tokens": tokens,
+                     "wall_s": round(wall, 3), "prompt_tokens_per_s": round(tokens / wall, 1),
+                     "prompt_tokens_cached": sum(m.get("prompt_tokens_cached") or 0 for m in done)})
+    return rows
+
+
+def distinct_prompts(n: int, tokens: int, per_char: float, start: int = 0) -> list[str]:
+    """``n`` raw prompts of about ``tokens`` tokens that differ within their first few tokens: no prefix cache
+    helps (vLLM's reuses whole blocks, 16-128 tokens; llama.cpp's server's reuses 64 tokens or more)."""
+    return [f"Report {start + i}: " + prompt_of(tokens, per_char) for i in range(n)]
 
 
 def measure(http, urls: dict, pair: str, prompt: str, repeat: int) -> dict:
@@ -131,6 +189,7 @@ def measure(http, urls: dict, pair: str, prompt: str, repeat: int) -> dict:
                                         if hand[0]["kv_state_bytes"] else None),
         "canary": sorted({r["canary"] for r in hand}),
         "canary_divergence_max": max(r["canary_divergence"] or 0.0 for r in hand),
+        "prefill_cached_tokens_max": max(r["cached"] for r in hand),  # a prefix cache's hits on the repeats
         "runs": repeat,
     }
 
@@ -142,19 +201,28 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads per server")
     parser.add_argument("--pairs", nargs="*", default=list(PAIRS), choices=list(PAIRS))
+    parser.add_argument("--throughput-prompts", type=int, default=16,
+                        help="prompts per concurrency level of the prefill throughput comparison (vLLM pairs only)")
     quick.add_argument(parser)
     args = parser.parse_args(argv)
-    quick.apply(parser, args, sizes=[128], repeat=1)
+    quick.apply(parser, args, sizes=[128], repeat=1, throughput_prompts=8)
     if not importlib.util.find_spec("mlx_lm"):
-        parser.error("every pair decodes on an MLX server: install the mlx extra (scripts/install.sh does)")
-    pairs = [p for p in args.pairs if p != "transformers->mlx" or importlib.util.find_spec("torch")]
+        parser.error("the pairs decode on MLX servers: install the mlx extra (scripts/install.sh does)")
+    installed = {"transformers->mlx": "torch", "vllm->llama_cpp": "vllm", "vllm->mlx": "vllm"}
+    pairs = [p for p in args.pairs if p not in installed or importlib.util.find_spec(installed[p])]
+    with_vllm = any(PAIRS[p][0] == "smol-vllm" for p in pairs)
+    if with_vllm and "llama_cpp->mlx" not in pairs:
+        pairs.insert(0, "llama_cpp->mlx")  # the throughput comparison's llama.cpp prefill server
 
     from disaggregated_inference.ops.cluster import LocalCluster
 
-    model_file = quick.tiny_model() if args.quick else "smollm2"
-    quick.say(f"starting {2 * len(pairs)} servers ({', '.join(pairs)}) ...")
-    cluster = LocalCluster(cluster_config(args.threads, pairs, model_file), free_ports=True).start()
-    rows, interrupted = [], False
+    # --quick: a tiny llama whose head_dim (32) vLLM's CPU attention takes (the tests' tiny llama has 16)
+    model_file = quick.tiny_model(head_dim=32) if args.quick else "smollm2"
+    config = cluster_config(args.threads, pairs, model_file)
+    quick.say(f"starting {len(config['prefill_servers']) + len(config['decode_servers'])} servers "
+              f"({', '.join(pairs)}) ...")
+    cluster = LocalCluster(config, free_ports=True).start()
+    rows, throughput, interrupted = [], [], False
     try:
         cluster.wait_healthy(timeout=900)
         urls = {p.entry.name: p.url for p in cluster.processes}
@@ -169,12 +237,18 @@ def main(argv=None) -> int:
                 for pair in pairs:
                     rows.append(measure(http, urls, pair, prompt_of(size, per_char), args.repeat))
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # a long run's figures so far
+        if with_vllm:
+            size, n = max(args.sizes), args.throughput_prompts
+            for level, concurrency in enumerate((1, THROUGHPUT_PARALLEL)):
+                prompts = distinct_prompts(n if concurrency > 1 else max(1, n // 4), size, per_char, start=1000 * level)
+                throughput += prefill_throughput(urls, prompts, concurrency, THROUGHPUT_SERVERS)
+                print(json.dumps(throughput[-2:]), file=sys.stderr, flush=True)
     except KeyboardInterrupt:  # Ctrl-C ends a long run with the rows measured so far
         interrupted = True
     finally:
         cluster.stop()
     out = {"quick": args.quick, "model": Path(model_file).name, "sizes": args.sizes, "repeat": args.repeat,
-           "pairs": pairs, "results": rows, "interrupted": interrupted,
+           "pairs": pairs, "results": rows, "prefill_throughput": throughput, "interrupted": interrupted,
            "left_out": sorted(set(args.pairs) - set(pairs)),
            "machine": {"cpus": os.cpu_count(), "llama_threads_per_server": args.threads,
                        "torch_threads": 1, "gpu": None}}
@@ -185,6 +259,9 @@ def main(argv=None) -> int:
             print(f"{r['pair']:18s} {r['prompt_tokens']:5d} tokens: handoff {r['handoff_ttft_s'] * 1000:8.1f} ms, "
                   f"decode-only {r['decode_only_ttft_s'] * 1000:8.1f} ms ({r['handoff_vs_decode_only']:.2f}); "
                   f"convert {r['convert_ms']} ms, {r['kv_bytes_per_token']} B/token")
+        for r in throughput:
+            print(f"prefill {r['engine']:9s} x{r['concurrency']}: {r['prompt_tokens_per_s']:8.1f} prompt tokens/s "
+                  f"({r['prompts']} prompts, {r['wall_s']} s)")
     return 0
 
 

@@ -4,11 +4,18 @@ On a local cluster of its own (two SmolLM2 prefill servers, one decode server):
 
 1. ``sustained``: ``--seconds`` of requests from ``--threads`` threads with no
    fault injected; reports requests, errors and the error rate (target < 0.1%);
-2. ``failover``: a prefill server is killed (SIGKILL) while requests flow;
+2. ``hang_prefill``: a prefill server is frozen (SIGSTOP: a hung machine that keeps its
+   connections open) while requests flow, then thawed; reports the slowest request that
+   straddled the freeze (the client gives a silent server up after ``progress_timeout``), the
+   time to the first answer through the other prefill server, and the time from the thaw to
+   the first answer through the thawed one again (no restart: the client probes it);
+   ``hang_decode``: the same with the only decode server: the time from the freeze to the first
+   request that fails (no decode server left), and from the thaw to the first answer;
+3. ``failover``: a prefill server is killed (SIGKILL) while requests flow;
    reports the time from the kill to the first request answered through the
    other prefill server, and the slowest request that straddled the kill
    (target < 5 s);
-3. ``fallback``: the last prefill server is killed; reports the time to the
+4. ``fallback``: the last prefill server is killed; reports the time to the
    first answer served decode-only.
 
     .venv/bin/python benchmarks/failover.py --json
@@ -30,9 +37,10 @@ sys.path.insert(0, str(ROOT))
 import quick  # noqa: E402
 from disaggregated_inference.client import DisaggregatedClient, FallbackWarning  # noqa: E402
 from disaggregated_inference.ops.cluster import LocalCluster  # noqa: E402
+from tests.faults import freeze, thaw  # noqa: E402
 
 
-def cluster_config(threads: int, tiny: bool = False) -> dict:
+def cluster_config(threads: int, tiny: bool = False, progress_timeout: float = 5.0) -> dict:
     data = json.loads((ROOT / "config_current.json").read_text())
     qwen = data["models"]["qwen"]
     qwen["n_threads"] = threads
@@ -42,12 +50,17 @@ def cluster_config(threads: int, tiny: bool = False) -> dict:
         "models": {"qwen": qwen},
         "prefill_servers": [{"name": n, "host": "127.0.0.1", "port": 1, "model": "qwen"} for n in ("pa", "pb")],
         "decode_servers": [{"name": "da", "host": "127.0.0.1", "port": 1, "model": "qwen"}],
-        "client": {"health_check_interval": 1, "failures_before_down": 1, "connect_timeout": 1},
+        "client": {"health_check_interval": 1, "failures_before_down": 1, "connect_timeout": 1,
+                   "progress_timeout": progress_timeout},
     }
 
 
+FAILED_PAUSE = 0.2  # seconds a load thread waits after a failed request
+
+
 class Load:
-    """Requests from several threads until stopped; every outcome recorded with its time."""
+    """Requests from several threads until stopped (a thread pauses ``FAILED_PAUSE`` after a failure); every
+    outcome recorded with its time."""
 
     def __init__(self, client, threads: int):
         self.client, self.n = client, threads
@@ -69,6 +82,8 @@ class Load:
             with self.lock:
                 self.outcomes.append(row)
             i += 1
+            if not row[2]:
+                self.stop.wait(FAILED_PAUSE)  # a caller that got an error does not retry in a tight loop
 
     def __enter__(self):
         self.threads = [threading.Thread(target=self._worker, args=(k,)) for k in range(self.n)]
@@ -82,19 +97,64 @@ class Load:
             t.join()
 
 
+def load_of(client, threads: int) -> Load:
+    return Load(client, threads)
+
+
+def hang(load: Load, proc, seconds: float, through, back) -> dict:
+    """Freeze ``proc`` for ``seconds`` under ``load``, then thaw it and keep the load on for ``seconds``
+    more: the slowest request across the freeze, the first answer ``through`` another server after
+    it (None: the first request that failed, the time to notice), the first answer ``back`` after
+    the thaw."""
+    with load:
+        time.sleep(1)
+        frozen_at = time.perf_counter()
+        freeze(proc)
+        try:
+            time.sleep(seconds)
+        finally:
+            thaw(proc)
+        thawed_at = time.perf_counter()
+        time.sleep(seconds)
+    rows = load.outcomes
+    straddling = [r for r in rows if r[0] < frozen_at < r[1]]
+    during = [r for r in rows if frozen_at < r[1] <= thawed_at]
+    if through is None:
+        first = min((r[1] for r in during if not r[2]), default=None)
+        key = "time_to_first_failure_s"
+    else:
+        first = min((r[1] for r in during if r[2] and through(r) and r[0] >= frozen_at), default=None)
+        key = "time_to_first_answer_via_other_server_s"
+    back_at = min((r[1] for r in rows if r[2] and r[0] >= thawed_at and back(r)), default=None)
+    return {
+        "frozen_s": seconds,
+        "slowest_request_across_the_freeze_s": round(max((r[1] - r[0] for r in straddling), default=0.0), 3),
+        key: None if first is None else round(first - frozen_at, 3),
+        "time_from_thaw_to_first_answer_through_it_s": None if back_at is None else round(back_at - thawed_at, 3),
+        "errors_while_frozen": sum(1 for r in during if not r[2]),
+        "requests_while_frozen": len(during),
+        "errors_after_thaw": sum(1 for r in rows if r[0] >= thawed_at and not r[2]),
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--seconds", type=float, default=60, help="length of the sustained run")
     parser.add_argument("--threads", type=int, default=4, help="client threads")
     parser.add_argument("--model-threads", type=int, default=1, help="llama.cpp threads per server")
-    parser.add_argument("--after-kill", type=float, default=6, help="seconds of load after each kill")
+    parser.add_argument("--after-kill", type=float, default=8,
+                        help="seconds of load after each kill, and each freeze's length (more than --progress-timeout)")
+    parser.add_argument("--progress-timeout", type=float, default=5.0,
+                        help="the client's progress_timeout: silence after which a server is taken as hung")
     quick.add_argument(parser)
     args = parser.parse_args(argv)
-    quick.apply(parser, args, seconds=3, after_kill=3)
+    quick.apply(parser, args, seconds=3, after_kill=3, progress_timeout=2.0)
 
-    out = {"quick": args.quick, "seconds_after_kill": args.after_kill, "client_threads": args.threads}
-    with LocalCluster(cluster_config(args.model_threads, args.quick), free_ports=True) as cluster:
+    out = {"quick": args.quick, "seconds_after_kill": args.after_kill, "client_threads": args.threads,
+           "progress_timeout_s": args.progress_timeout}
+    with LocalCluster(cluster_config(args.model_threads, args.quick, args.progress_timeout),
+                      free_ports=True) as cluster:
         cluster.wait_healthy(timeout=300)
         quick.say(f"{args.seconds:g} s of sustained load ...")
         with DisaggregatedClient(cluster.config) as client:
@@ -107,7 +167,15 @@ def main(argv=None) -> int:
                                 "requests_per_s": round(len(rows) / args.seconds, 2),
                                 "first_errors": [r[5] for r in errors[:3]]}
 
-            pa, pb = cluster.process("pa"), cluster.process("pb")
+            pa, pb, da = cluster.process("pa"), cluster.process("pb"), cluster.process("da")
+            quick.say("freezing one prefill server under load ...")
+            out["hang_prefill"] = hang(load_of(client, args.threads), pa, args.after_kill,
+                                       through=lambda r: r[4] == pb.entry.address,
+                                       back=lambda r: r[4] == pa.entry.address)
+            quick.say("freezing the decode server under load ...")
+            out["hang_decode"] = hang(load_of(client, args.threads), da, args.after_kill,
+                                      through=None, back=lambda r: True)
+
             quick.say("killing one prefill server under load ...")
             with Load(client, args.threads) as load:
                 time.sleep(2)

@@ -36,13 +36,19 @@ def apply(parser: argparse.ArgumentParser, args: argparse.Namespace, **values) -
     return args
 
 
-def tiny_model() -> str:
-    """Path of the tiny llama GGUF (written on first use, cached; tests/tiny_models.py)."""
+def tiny_model(head_dim: int | None = None) -> str:
+    """Path of the tiny llama GGUF (written on first use, cached; tests/tiny_models.py); with ``head_dim``,
+    one of its heads that wide (as many fewer heads: the same width)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from tests.tiny_models import tiny_gguf
+    from dataclasses import replace
 
-    return str(tiny_gguf("llama"))
+    from tests.tiny_models import LLAMA, tiny_gguf
+
+    if head_dim is None or head_dim == LLAMA.head_dim:
+        return str(tiny_gguf("llama"))
+    heads = LLAMA.n_embd // head_dim
+    return str(tiny_gguf(replace(LLAMA, n_head=heads, n_head_kv=max(1, heads // 2), head_dim=head_dim)))
 
 
 def on_tiny_model(data: dict, keep=("qwen",)) -> dict:

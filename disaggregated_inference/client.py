@@ -17,6 +17,15 @@ metrics)``. One request goes:
 5. with no decode server able to serve, ``NoServerAvailable`` is raised within
    the configured timeouts.
 
+What every server would refuse (server/parse.py, with the config's limits) is
+refused before any server is chosen, even when none is up. Every answer is read
+as progress lines (``watch.py``): a server that falls silent or stops making
+progress is given up in seconds and marked down; a caller's own
+``prefill_timeout``/``decode_timeout`` that runs out while the server works blames
+no server. A server marked down is probed again (its ``/health``) as requests
+come, with or without the background health checker, and serves again as soon
+as it answers.
+
 The client is safe to share between threads; ``generate_many`` runs several
 requests (e.g. the two models of the grader) concurrently.
 """
@@ -33,11 +42,14 @@ from dataclasses import dataclass, field
 
 import requests
 from requests.adapters import HTTPAdapter
-from urllib3.exceptions import NewConnectionError
+from urllib3.exceptions import NewConnectionError, ReadTimeoutError
 
+from . import chat
 from . import config as cluster_config
 from . import routing
 from .errors import BadRequest, DisaggError, NoServerAvailable, UpstreamError, UpstreamTimeout, from_body
+from .server.parse import Limits, parse_generate
+from .watch import Watch
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +59,10 @@ KV_LOST_CODES = {"not_found", "lease_expired", "upstream_error", "upstream_timeo
 # A decode server that could not be connected to is tried once more after this pause before it is
 # marked down: the request never reached it, so its KV lease is intact and the retry costs the pause.
 DECODE_CONNECT_RETRY_DELAY = 0.5
+# A server marked down is probed again (GET /health) this long after, then twice as long after each
+# probe it fails, up to REVIVE_MAX_INTERVAL; at once when a request finds no server of its role up.
+REVIVE_INTERVAL = 1.0
+REVIVE_MAX_INTERVAL = 30.0
 
 
 def _connect_failed(exc: requests.RequestException) -> bool:
@@ -70,6 +86,9 @@ class TrackedServer:
     outstanding: int = 0
     served: int = 0
     health: dict = field(default_factory=dict)
+    revive_at: float = 0.0  # monotonic: when a server marked down is probed again
+    revive_interval: float = 0.0
+    probe: object = None  # the thread probing it now (threading.Thread), if any
 
     @property
     def slots(self) -> int:
@@ -144,7 +163,13 @@ class Served:
             # prompt tokens whose KV the evaluating server's slot already held (its prefix cache)
             "prompt_tokens_cached": (pre if self.prefill else dec).get("prompt_tokens_cached"),
             "finish_reason": self.decode.get("finish_reason"),
+            # of completion_tokens, those the model reasoned with (None: the server does not say)
+            "reasoning_tokens": dec.get("reasoning_tokens"),
         }
+        # what the model's chat format read apart from the answer: never part of the text
+        for key in ("reasoning", "tool_calls"):
+            if self.decode.get(key):
+                metrics[key] = self.decode[key]
         # the handoff's canary (kv/canary.py): what the decode side found, and what making it cost
         for key in ("canary", "canary_top1_match", "canary_divergence", "canary_tolerance", "canary_check_ms"):
             if key in dec:
@@ -166,6 +191,9 @@ class DisaggregatedClient:
         self.decode_timeout = float(opts["decode_timeout"])
         self.connect_timeout = float(opts["connect_timeout"])
         self.health_timeout = float(opts["health_timeout"])
+        self.progress_timeout = float(opts["progress_timeout"])
+        self.limits = Limits(prompt_chars=self.config.server["max_prompt_chars"],
+                             schema_bytes=self.config.server["max_schema_bytes"])
         self.retries = int(opts["retries"])
         self.failures_before_down = int(opts["failures_before_down"])
         self.route = opts["route"]
@@ -199,44 +227,111 @@ class DisaggregatedClient:
         return session
 
     def _post(self, server: TrackedServer, path: str, body: dict, timeout: float) -> dict:
-        url = server.entry.url + path
+        """One request's whole answer from ``server``: the /prefill answer, or a /decode or /generate one
+        (``generated_text``, ``finish_reason``, ``metrics``), read as progress lines (``_lines``) so that a
+        hung or stuck server is given up in seconds; ``timeout`` is the caller's deadline for it."""
         started = time.perf_counter()
+        stream = path != "/prefill"
+        watch = self._watch(server, path, timeout)
+        lines = self._lines(server, path, {**body, "stream": True} if stream else body, watch)
         try:
-            resp = self.session.post(url, json=body, timeout=(self.connect_timeout, timeout))
-        except requests.Timeout as exc:
-            raise UpstreamTimeout(f"{server.entry.name} ({url}) timed out after {timeout:g}s", transport=True,
-                                  connect_failed=_connect_failed(exc)) from None
+            if not stream:
+                answer = next(lines)
+                answer.pop("done", None)
+            else:
+                pieces, reasoning, calls, answer = [], [], [], None
+                for line in lines:  # as the server's JSON answer would have them (server/decode.py)
+                    if line.get("done"):
+                        answer = {"generated_text": "".join(pieces), "finish_reason": line.get("finish_reason"),
+                                  "metrics": line.get("metrics") or {}}
+                        if reasoning:
+                            answer["reasoning"] = "".join(reasoning)
+                        if calls:
+                            answer["tool_calls"] = calls
+                        break
+                    if line.get("reasoning") is not None:
+                        reasoning.append(line["reasoning"])
+                    elif line.get("tool_call") is not None:
+                        calls.append(line["tool_call"])
+                    else:
+                        pieces.append(line.get("text") or "")
+        except StopIteration:
+            answer = None
+        finally:
+            lines.close()
+        if answer is None:
+            raise UpstreamError(f"{server.entry.name} ended its answer without a final line", transport=True)
+        server.latency_s = round(time.perf_counter() - started, 4)
+        return answer
+
+    def _watch(self, server: TrackedServer, path: str, timeout: float | None, lifted: bool = False) -> Watch:
+        """What a request to ``server`` may take: silence (``progress_timeout``), progress at the speeds this
+        server has shown (the cost model's, or its /health's), and the caller's ``timeout`` (``lifted``
+        once a stream's first piece is in)."""
+        prompt_speed, decode_speed = self.costs.server_speeds(server.entry.name)
+        return Watch(server.entry.name, self.progress_timeout, timeout,
+                     "prefill_timeout" if path == "/prefill" else "decode_timeout",
+                     prompt_speed or server.health.get("prompt_speed"), decode_speed, lifted)
+
+    def _lines(self, server: TrackedServer, path: str, body: dict, watch: Watch):
+        """POST ``body`` asking for progress (server/progress.py); yield the answer's lines, heartbeats left to
+        ``watch``. An error the server answers, with its status or as a line before the answer, raises as
+        that error (so that ``_on`` treats both alike); silence, no progress or the caller's deadline raise
+        ``UpstreamTimeout`` (``watch.py``)."""
+        url = server.entry.url + path
+        try:
+            resp = self.session.post(url, json={**body, "progress": True}, stream=True,
+                                     timeout=(self.connect_timeout, watch.read_timeout()))
+        except requests.ConnectTimeout as exc:
+            raise UpstreamTimeout(f"{server.entry.name} ({url}) did not accept the connection within "
+                                  f"{self.connect_timeout:g}s", transport=True, connect_failed=True) from None
+        except requests.Timeout:
+            raise watch.timed_out() from None
         except requests.RequestException as exc:
             raise UpstreamError(f"{server.entry.name} ({url}) unreachable: {type(exc).__name__}",
                                 transport=True, connect_failed=_connect_failed(exc)) from None
-        server.latency_s = round(time.perf_counter() - started, 4)
-        try:
-            data = resp.json()
-        except ValueError:
-            data = {"error": resp.text[:300]}
         if resp.status_code != 200:
-            err = from_body(resp.status_code, data)
-            err.message = f"{server.entry.name} answered {resp.status_code}: {err.message}"
-            err.args = (err.message,)
-            raise err
-        return data
+            try:
+                data = resp.json()
+            except ValueError:
+                data = {"error": resp.text[:300]}
+            finally:
+                resp.close()
+            raise _answered(server, resp.status_code, data)
+        yield from _ndjson_lines(resp, server, watch)
 
     # -- server choice and health --------------------------------------------------------------
 
     def _kv_kind(self, model_key: str) -> dict:
-        """``{"kv_kind": "neutral_kv"}`` when the model's decode servers continue neutral bundles but not
-        llama.cpp state (an MLX decode server), as their last /health ``accepts`` said; else nothing
-        (a client that never checked health asks for the prefill backend's own kind)."""
+        """The bundle kind to ask the prefill server for: nothing when every decode server of the model
+        continues what its prefill servers hand over (their last /health ``handoff`` and ``accepts``), else
+        ``{"kv_kind": "neutral_kv"}`` when every one of them reads that (an MLX decode server behind a
+        llama.cpp prefill server). Before the prefill servers' health is known: ``neutral_kv`` when no decode server
+        reads llama.cpp state, else nothing (the prefill backend's own kind)."""
         with self._lock:  # not _candidates(): that advances the round-robin
             accepts = [s.health.get("accepts") for s in self.servers.values()
                        if s.entry.role == "decode" and s.entry.model == model_key and s.up]
-        if accepts and all(a and "neutral_kv" in a and "llama_seq_state" not in a for a in accepts):
+            handed = {s.health.get("handoff") for s in self.servers.values()
+                      if s.entry.role == "prefill" and s.entry.model == model_key and s.up}
+        handed.discard(None)
+        if not accepts or not all(accepts):
+            return {}
+        if handed:  # what the prefill servers hand over is known
+            if all(kind in a for a in accepts for kind in handed):
+                return {}
+            return {"kv_kind": "neutral_kv"} if all("neutral_kv" in a for a in accepts) else {}
+        if all("neutral_kv" in a and "llama_seq_state" not in a for a in accepts):
             return {"kv_kind": "neutral_kv"}
         return {}
 
-    def _candidates(self, role: str, model_key: str) -> list[TrackedServer]:
+    def _candidates(self, role: str, model_key: str, wait: bool = False) -> list[TrackedServer]:
+        """The servers of a role to try, in order. Servers marked down are probed again as their time comes
+        (``_revive``); with ``wait``, when none is up, every one marked down is probed now and waited for
+        (a request with no other way to go)."""
         with self._lock:
             pool = [s for s in self.servers.values() if s.entry.role == role and s.entry.model == model_key]
+        self._revive([s for s in pool if not s.up], now=wait and not any(s.up for s in pool))
+        with self._lock:
             healthy = [s for s in pool if s.up]
             self._rr += 1
             rr = self._rr
@@ -244,6 +339,33 @@ class DisaggregatedClient:
         # round-robin among ties
         order = sorted(range(len(healthy)), key=lambda i: (-healthy[i].free_slots, (i - rr) % max(1, len(healthy))))
         return [healthy[i] for i in order]
+
+    def _revive(self, down: list[TrackedServer], now: bool = False) -> None:
+        """Probe the servers marked ``down`` whose time has come (all of them with ``now``, and wait for
+        those probes): a server that answers its /health is up again, whether or not the background health
+        checker runs. The probes run on threads of their own, so a request does not wait for a server it
+        does not need."""
+        started = time.monotonic()
+        probes = []
+        with self._lock:
+            for server in down:
+                # a server checked a moment ago (a probe that failed just now) waits for its time even when
+                # ``now``: a request would otherwise pay for the same probe twice
+                just_checked = server.last_checked is not None and time.time() - server.last_checked < REVIVE_INTERVAL
+                if server.probe is None and (started >= server.revive_at or (now and not just_checked)):
+                    server.probe = threading.Thread(target=self._probe, args=(server,), name="revive", daemon=True)
+                    server.probe.start()
+                if now and server.probe is not None:
+                    probes.append(server.probe)
+        for probe in probes:
+            probe.join(max(0.0, self.connect_timeout + self.health_timeout - (time.monotonic() - started)))
+
+    def _probe(self, server: TrackedServer) -> None:
+        try:
+            self._check_one(server)
+        finally:
+            with self._lock:
+                server.probe = None
 
     def _peek(self, role: str, model_key: str) -> TrackedServer | None:
         """The server ``_candidates`` would try first (without advancing its round-robin)."""
@@ -284,13 +406,17 @@ class DisaggregatedClient:
             if hard or server.failures >= self.failures_before_down:
                 if server.up:
                     log.warning("server marked down: name=%s error=%s", server.entry.name, error)
+                    server.revive_interval = REVIVE_INTERVAL
+                else:  # a probe failed: the next one later
+                    server.revive_interval = min(REVIVE_MAX_INTERVAL, 2 * (server.revive_interval or REVIVE_INTERVAL))
                 server.up = False
+                server.revive_at = time.monotonic() + server.revive_interval
 
     def _mark_ok(self, server: TrackedServer) -> None:
         with self._lock:
             if not server.up:
                 log.warning("server marked up: name=%s", server.entry.name)
-            server.up, server.failures, server.last_error = True, 0, None
+            server.up, server.failures, server.last_error, server.revive_interval = True, 0, None, 0.0
 
     def check_health(self) -> list[dict]:
         """Check every server once, now; update their states; return them."""
@@ -356,7 +482,7 @@ class DisaggregatedClient:
 
     def _on_once(self, role: str, model_key: str, call, exclude, busy: list):
         tried, codes = [], []
-        for server in self._candidates(role, model_key):
+        for server in self._candidates(role, model_key, wait=role == "decode"):  # no fallback after decode
             if server.entry.name in exclude:
                 continue
             with self._lock:
@@ -379,6 +505,10 @@ class DisaggregatedClient:
                 if exc.code == "overloaded" and not exc.details.get("transport"):
                     busy.append(min(5.0, float(exc.details.get("retry_after") or 1.0)))
                     continue  # busy, not dead: try the next server and keep this one up
+                if exc.details.get("deadline"):  # the caller's time ran out while the server worked: no blame
+                    if role == "decode":
+                        raise
+                    continue
                 self._mark_failure(server, exc.message, hard=exc.code in ("upstream_error", "upstream_timeout"))
             finally:
                 with self._lock:
@@ -387,16 +517,36 @@ class DisaggregatedClient:
                                 + (f" (tried: {'; '.join(tried)})" if tried else " (none healthy)"),
                                 tried=tried, timed_out=bool(codes) and all(c == "upstream_timeout" for c in codes))
 
+    def check_request(self, source: dict, sampling: dict) -> None:
+        """Refuse what every server would (``BadRequest``, ``PayloadTooLarge``, naming the field as the
+        servers do): the request parsed here as a decode server parses a /generate (server/parse.py, with
+        the config's limits), before any server is chosen, so the answer is the same when none is up."""
+        parse_generate({**source, **sampling}, self.limits)
+
     def generate(self, model: str, prompt: str | None = None, max_tokens: int = 256, temperature: float = 0.0, *,
                  messages: list | None = None, top_p: float = 1.0, seed: int | None = None, stop=None,
                  json_schema: dict | None = None, raw: bool = False, top_k: int | None = None,
-                 system: str | None = None, route: str | None = None) -> tuple[str, dict]:
-        """One request; ``route`` ("auto", "handoff", "decode_only") overrides ``client.route`` for it."""
+                 system: str | None = None, route: str | None = None, tools: list | None = None,
+                 tool_choice=None, reasoning_effort: str | None = None,
+                 reasoning_budget: int | None = None, ignore_eos: bool = False) -> tuple[str, dict]:
+        """One request; ``route`` ("auto", "handoff", "decode_only") overrides ``client.route`` for it.
+
+        The text is the answer alone. A model that reasons (gpt-oss) returns its chain of thought in
+        ``metrics["reasoning"]`` and how many tokens it took in ``metrics["reasoning_tokens"]``;
+        ``reasoning_effort`` (low, medium, high) asks for more or less of it and ``reasoning_budget`` caps
+        it (tokens; by default half of ``max_tokens``), after which the model is moved on to its answer.
+        ``tools`` (functions in the OpenAI API's shape) may be called: the calls are in
+        ``metrics["tool_calls"]`` (``{"name", "arguments"}``, the arguments as JSON text) and
+        ``finish_reason`` is ``tool_calls``; ``tool_choice`` is auto, none, required or a function.
+        ``ignore_eos``: exactly ``max_tokens`` (llama.cpp decode servers; others answer 400), for benchmarks."""
         started = time.perf_counter()
         model_key = self.config.resolve_model(model)
         source, sampling = _request_bodies(prompt, messages, raw, system=system, max_tokens=max_tokens,
                                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                                           json_schema=json_schema)
+                                           json_schema=json_schema, tools=tools, tool_choice=tool_choice,
+                                           reasoning_effort=reasoning_effort, reasoning_budget=reasoning_budget,
+                                           ignore_eos=ignore_eos)
+        self.check_request(source, sampling)
         decision = self._route(model_key, source, route)
 
         def local(method: str) -> Served:
@@ -405,7 +555,8 @@ class DisaggregatedClient:
                 s, "/generate", {**source, **sampling}, sent, retries))
             return Served(decode_server, method, decode=data, decode_sent_at=sent[-1], decode_connect_retries=retries)
 
-        served, notes = self._by_route(model_key, decision, lambda: self._disaggregated(model_key, source, sampling),
+        served, notes = self._by_route(model_key, decision,
+                                       lambda exclude: self._disaggregated(model_key, source, sampling, exclude),
                                        local, started)
         metrics = served.metrics(started, notes)
         metrics.update(decision.as_metrics())
@@ -415,7 +566,8 @@ class DisaggregatedClient:
 
     def _by_route(self, model_key: str, decision, handoff, local, started: float) -> tuple[Served, list[str]]:
         """Serve a request the way ``decision`` chose: ``local("decode_only")`` when the router kept it
-        on the decode server; else ``handoff()``, recomputing a lost KV up to ``retries`` times, then
+        on the decode server; else ``handoff(exclude)``, recomputing a lost KV up to ``retries`` times
+        (elsewhere than on a prefill server its KV could not be pulled from), then
         ``local("decode_only_fallback")`` with a ``FallbackWarning`` when no handoff could be made.
         Returns (what the chosen call returned, the notes of what went wrong on the way). A request
         no server could serve goes into the history too (``error``), then its error is raised."""
@@ -432,9 +584,10 @@ class DisaggregatedClient:
         notes: list[str] = []
         if decision.path == routing.LOCAL:  # chosen, not a fallback: no warning
             return local("decode_only"), notes
+        exclude: set = set()  # prefill servers a decode server could not pull the KV from
         for attempt in range(1 + self.retries):
             try:
-                return handoff(), notes
+                return handoff(tuple(exclude)), notes
             except NoServerAvailable as exc:
                 if exc.details.get("role") == "decode":
                     raise
@@ -443,6 +596,8 @@ class DisaggregatedClient:
                     break
             except _KVLost as exc:
                 notes.append(f"KV handoff failed ({exc}); recomputing" if attempt == 0 else f"KV handoff failed again ({exc})")
+                if exc.details.get("suspect"):
+                    exclude.add(exc.details["suspect"])
         message = "; ".join(notes) or "no prefill server available"
         warnings.warn(f"Using fallback mode (decode-only, slower): {message}", FallbackWarning, stacklevel=3)
         return local("decode_only_fallback"), notes
@@ -452,22 +607,29 @@ class DisaggregatedClient:
             self.history.append({"time": time.time(), "model": model_key, **{k: metrics.get(k) for k in (
                 "method", "prefill_time", "decode_time", "total_time", "prompt_tokens", "completion_tokens",
                 "prefill_speed", "decode_speed", "prefill_server", "decode_server", "kv_bytes", "kv_transfer_time",
-                "ttft", "ttft_end_to_end", "prompt_tokens_cached", "canary", "route_reason")}})
+                "ttft", "ttft_end_to_end", "prompt_tokens_cached", "canary", "route_reason", "reasoning_tokens")}})
 
-    def _handoff(self, model_key: str, source: dict, decode) -> tuple:
-        """Prefill on one server (asking for the KV kind the decode servers read), then ``decode(server,
-        prefilled)`` on a decode server; a decode server's failure to get or read the KV raises
-        ``_KVLost``. Returns (prefill server, its answer, decode server, what ``decode`` returned)."""
-        if not self._candidates("decode", model_key):
+    def _handoff(self, model_key: str, source: dict, decode, exclude=()) -> tuple:
+        """Prefill on one server (asking for the KV kind the decode servers read; none of ``exclude``), then
+        ``decode(server, prefilled)`` on a decode server; a decode server's failure to get or read the KV
+        raises ``_KVLost``, naming the prefill server in ``details["suspect"]`` when the decode server
+        could not pull from it (that server is marked, softly, and left out of the recompute). Returns
+        (prefill server, its answer, decode server, what ``decode`` returned)."""
+        if not self._candidates("decode", model_key, wait=True):
             raise NoServerAvailable(f"no healthy decode server for model {model_key!r}", role="decode")
         wanted = self._kv_kind(model_key)
         prefill_server, prefilled = self._on("prefill", model_key, lambda s: self._post(
-            s, "/prefill", {**source, **wanted}, self.prefill_timeout))
+            s, "/prefill", {**source, **wanted}, self.prefill_timeout), exclude)
+        unreachable = []
 
         def decode_on(server: TrackedServer):
             try:
                 return decode(server, prefilled)
             except DisaggError as exc:
+                if exc.code in ("upstream_error", "upstream_timeout") and not exc.details.get("transport"):
+                    # the decode server answered that it could not pull the KV: the prefill server is suspect
+                    self._mark_failure(prefill_server, f"its KV could not be pulled: {exc.message}")
+                    unreachable.append(prefill_server.entry.name)
                 _raise_kv_lost(server, exc)
                 raise
 
@@ -476,13 +638,16 @@ class DisaggregatedClient:
         except NoServerAvailable as exc:
             exc.details["role"] = "decode"
             raise
+        except _KVLost as exc:
+            exc.details["suspect"] = unreachable[0] if unreachable else None
+            raise
         return prefill_server, prefilled, decode_server, decoded
 
-    def _disaggregated(self, model_key: str, source: dict, sampling: dict) -> Served:
+    def _disaggregated(self, model_key: str, source: dict, sampling: dict, exclude=()) -> Served:
         sent, retries = [], []
         prefill_server, prefilled, decode_server, decoded = self._handoff(
             model_key, source, lambda server, pre: self._post_retrying_connect(
-                server, "/decode", {"kv": pre["kv"], **sampling}, sent, retries))
+                server, "/decode", {"kv": pre["kv"], **sampling}, sent, retries), exclude)
         return Served(decode_server, decoded["metrics"].get("method", "disaggregated"), prefill_server, prefilled,
                       decoded, decode_sent_at=sent[-1], decode_connect_retries=retries)
 
@@ -509,8 +674,14 @@ class DisaggregatedClient:
     def stream(self, model: str, prompt: str | None = None, max_tokens: int = 256, temperature: float = 0.0, *,
                messages: list | None = None, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
                stop=None, json_schema: dict | None = None, raw: bool = False, system: str | None = None,
-               on_route=None, route: str | None = None):
+               on_route=None, route: str | None = None, tools: list | None = None, tool_choice=None,
+               reasoning_effort: str | None = None, reasoning_budget: int | None = None, parts: bool = False,
+               ignore_eos: bool = False):
         """Like ``generate``, but yield the text pieces as the decode server sends them, then the metrics dict.
+
+        The pieces are the answer's. With ``parts``, the reasoning and the tool calls come too, as they
+        arrive, each a ``chat.Part`` (``kind`` ``reasoning`` with its text, or ``tool_call`` with
+        ``{"name", "arguments"}``); the answer's pieces stay strings. Either way the metrics carry them whole.
 
         Routing, failover, the recompute of a lost KV and the decode-only fallback happen as in
         ``generate`` until the decode server's stream has opened (its answer arrives with the first
@@ -524,7 +695,10 @@ class DisaggregatedClient:
         model_key = self.config.resolve_model(model)
         source, sampling = _request_bodies(prompt, messages, raw, system=system, max_tokens=max_tokens,
                                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                                           json_schema=json_schema)
+                                           json_schema=json_schema, tools=tools, tool_choice=tool_choice,
+                                           reasoning_effort=reasoning_effort, reasoning_budget=reasoning_budget,
+                                           ignore_eos=ignore_eos)
+        self.check_request(source, sampling)
         sampling["stream"] = True
         decision = self._route(model_key, source, route)
 
@@ -534,7 +708,8 @@ class DisaggregatedClient:
             return Served(decode_server, method, lines=lines)
 
         served, notes = self._by_route(model_key, decision,
-                                       lambda: self._open_disaggregated(model_key, source, sampling), local, started)
+                                       lambda exclude: self._open_disaggregated(model_key, source, sampling, exclude),
+                                       local, started)
         lines, served.lines = served.lines, None
         served.first_piece_at = time.perf_counter()  # _open_stream returned once the first line had arrived
         decode_server = served.decode_server
@@ -546,18 +721,32 @@ class DisaggregatedClient:
                 on_route({"method": served.method, "prefill_server": served.prefill_server.entry.address
                           if served.prefill_server else None, "decode_server": decode_server.entry.address,
                           "kv_bytes": kv.get("bytes", 0), "warnings": list(notes)})
-            pieces, final = [], None
-            for line in lines:
-                if line.get("error"):
-                    err = from_body(502, {k: v for k, v in line.items() if k != "done"})
-                    err.message = f"{decode_server.entry.name} failed mid-stream: {err.message}"
-                    err.args = (err.message,)
-                    raise err
-                if line.get("done"):
-                    final = line
-                    break
-                pieces.append(line.get("text") or "")
-                yield pieces[-1]
+            pieces, reasoning, calls, final = [], [], [], None
+            try:
+                for line in lines:
+                    if line.get("error"):
+                        err = from_body(502, {k: v for k, v in line.items() if k != "done"})
+                        err.message = f"{decode_server.entry.name} failed mid-stream: {err.message}"
+                        err.args = (err.message,)
+                        raise err
+                    if line.get("done"):
+                        final = line
+                        break
+                    if line.get("reasoning") is not None:
+                        reasoning.append(line["reasoning"])
+                        if parts:
+                            yield chat.Part(chat.REASONING, line["reasoning"])
+                    elif line.get("tool_call") is not None:
+                        calls.append(line["tool_call"])
+                        if parts:
+                            yield chat.Part(chat.TOOL_CALL, line["tool_call"])
+                    else:
+                        pieces.append(line.get("text") or "")
+                        yield pieces[-1]
+            except UpstreamTimeout as exc:
+                if exc.details.get("stalled"):  # it went silent mid-stream: out of service until it answers
+                    self._mark_failure(decode_server, exc.message, hard=True)
+                raise
         finally:
             lines.close()
             with self._lock:
@@ -567,56 +756,39 @@ class DisaggregatedClient:
         if not served.method.startswith("decode_only"):
             served.method = final["metrics"].get("method", "disaggregated")
         served.decode = {"generated_text": "".join(pieces), "finish_reason": final.get("finish_reason"),
-                         "metrics": final.get("metrics") or {}}
+                         "metrics": final.get("metrics") or {}, "reasoning": "".join(reasoning), "tool_calls": calls}
         metrics = served.metrics(started, notes)
         metrics.update(decision.as_metrics())
         self._learn(model_key, source, served, metrics, clean=not notes)
         self._remember(model_key, metrics)
         yield metrics
 
-    def _open_disaggregated(self, model_key: str, source: dict, sampling: dict) -> Served:
+    def _open_disaggregated(self, model_key: str, source: dict, sampling: dict, exclude=()) -> Served:
         """``_disaggregated`` up to the first line of the decode server's stream."""
         prefill_server, prefilled, decode_server, lines = self._handoff(
             model_key, source, lambda server, pre: self._open_stream(
-                server, "/decode", {"kv": pre["kv"], **sampling}, self.decode_timeout))
+                server, "/decode", {"kv": pre["kv"], **sampling}, self.decode_timeout), exclude)
         kind = (prefilled.get("kv") or {}).get("kind")
         return Served(decode_server, "token_ids_recompute" if kind == "token_ids" else "kv_handoff", prefill_server,
                       prefilled, lines=lines)
 
     def _open_stream(self, server: TrackedServer, path: str, body: dict, timeout: float):
-        """POST a streaming request; return its NDJSON lines once the first one has arrived.
+        """POST a streaming request; return its lines once the first one (not a heartbeat) has arrived.
 
-        Errors before the first line (the server answers them with a status code) raise here,
-        so that ``_on`` can try another server.
-        """
-        url = server.entry.url + path
+        Errors before it (a status code, or an error line) raise here, so that ``_on`` can try another
+        server; ``timeout`` (the caller's ``decode_timeout``) bounds the wait for it, and no more: from
+        then on the caller sees the pieces come, and only silence or no progress ends the stream."""
         started = time.perf_counter()
-        try:
-            resp = self.session.post(url, json=body, timeout=(self.connect_timeout, timeout), stream=True)
-        except requests.Timeout:
-            raise UpstreamTimeout(f"{server.entry.name} ({url}) timed out after {timeout:g}s", transport=True) from None
-        except requests.RequestException as exc:
-            raise UpstreamError(f"{server.entry.name} ({url}) unreachable: {type(exc).__name__}",
-                                transport=True) from None
-        if resp.status_code != 200:
-            try:
-                data = resp.json()
-            except ValueError:
-                data = {"error": resp.text[:300]}
-            finally:
-                resp.close()
-            err = from_body(resp.status_code, data)
-            err.message = f"{server.entry.name} answered {resp.status_code}: {err.message}"
-            err.args = (err.message,)
-            raise err
-        lines = _ndjson_lines(resp, server.entry.name, timeout)
+        watch = self._watch(server, path, timeout, lifted=True)
+        lines = self._lines(server, path, body, watch)
         try:
             head = next(lines)
         except StopIteration:
-            raise UpstreamError(f"{server.entry.name} ({url}) sent an empty stream", transport=True) from None
-        except DisaggError:
+            raise UpstreamError(f"{server.entry.name} sent an empty stream", transport=True) from None
+        except BaseException:
             lines.close()
             raise
+        watch.lift_deadline()
         server.latency_s = round(time.perf_counter() - started, 4)
         return _prepend(head, lines)
 
@@ -688,8 +860,10 @@ def _raise_kv_lost(server: TrackedServer, exc: DisaggError) -> None:
 
 
 def _request_bodies(prompt, messages, raw, *, system=None, max_tokens, temperature, top_p, top_k=None, seed=None,
-                    stop=None, json_schema=None) -> tuple[dict, dict]:
-    """The prompt part (for /prefill and /generate) and the sampling part (for /decode) of a request."""
+                    stop=None, json_schema=None, tools=None, tool_choice=None, reasoning_effort=None,
+                    reasoning_budget=None, ignore_eos=False) -> tuple[dict, dict]:
+    """The prompt part (for /prefill and /generate) and the sampling part (for /decode) of a request. The tools
+    go in both: the prompt renders them, the decode side reads the calls."""
     if (prompt is None) == (messages is None):
         raise BadRequest("give prompt or messages", field="prompt")
     source = {"messages": messages} if messages is not None else {"prompt": prompt}
@@ -706,19 +880,49 @@ def _request_bodies(prompt, messages, raw, *, system=None, max_tokens, temperatu
         sampling["stop"] = stop
     if json_schema is not None:
         sampling["json_schema"] = json_schema
+    if reasoning_effort is not None:
+        source["reasoning_effort"] = reasoning_effort
+    if reasoning_budget is not None:
+        sampling["reasoning_budget"] = reasoning_budget
+    for key, value in (("tools", tools), ("tool_choice", tool_choice)):
+        if value is not None:
+            source[key] = sampling[key] = value
+    if ignore_eos:  # exactly max_tokens (llama.cpp decode servers; others answer 400)
+        sampling["ignore_eos"] = True
     return source, sampling
 
 
-def _ndjson_lines(resp, name: str, timeout: float):
-    """The decoded lines of a streaming answer; transport failures become Upstream errors."""
+def _answered(server: TrackedServer, status: int, data: dict) -> DisaggError:
+    """The error a server answered (with its HTTP status, or as a progress stream's last line)."""
+    err = from_body(status, data)
+    err.message = f"{server.entry.name} answered {status}: {err.message}"
+    err.args = (err.message,)
+    return err
+
+
+def _ndjson_lines(resp, server: TrackedServer, watch: Watch):
+    """The lines of a progress answer that are not heartbeats; an error line raises as the error it is,
+    transport failures as Upstream errors (``watch`` decides when silence is too long)."""
+    name = server.entry.name
     try:
         for raw in resp.iter_lines():
-            if raw:
-                yield json.loads(raw)
-    except requests.Timeout:
-        raise UpstreamTimeout(f"{name} sent nothing for {timeout:g}s mid-stream", transport=True) from None
+            if not raw:
+                continue
+            line = json.loads(raw)
+            if not isinstance(line, dict):
+                raise UpstreamError(f"{name} sent a line that is not a JSON object", transport=True)
+            if watch.heard(line):
+                continue
+            if line.get("error") is not None:
+                status = line.get("status")
+                raise _answered(server, status if isinstance(status, int) else 502,
+                                {k: v for k, v in line.items() if k not in ("done", "status")})
+            yield line
     except requests.RequestException as exc:
-        raise UpstreamError(f"{name} broke off its stream: {type(exc).__name__}", transport=True) from None
+        # a read that timed out mid-stream comes as a ConnectionError around urllib3's ReadTimeoutError
+        if isinstance(exc, requests.Timeout) or any(isinstance(a, ReadTimeoutError) for a in exc.args):
+            raise watch.timed_out() from None
+        raise UpstreamError(f"{name} broke off its answer: {type(exc).__name__}", transport=True) from None
     except ValueError:
         raise UpstreamError(f"{name} sent a line that is not JSON", transport=True) from None
     finally:

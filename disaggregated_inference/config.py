@@ -19,6 +19,7 @@ from . import backends, routing
 from .backends import options
 from .errors import ConfigError
 from .tuning import MIN_NON_TEMPORAL_BYTES, OPENMP_WAITS
+from .watch import HEARTBEAT_SECONDS
 
 DEFAULT_CONFIG_FILE = "config_current.json"
 
@@ -27,8 +28,13 @@ DEFAULT_CONFIG_FILE = "config_current.json"
 MODEL_ENTRY_KEYS = {"aliases": list}
 SERVER_ENTRY_KEYS = {"name": str, "host": str, "port": int, "model": str, "data_url": str}
 CLIENT_DEFAULTS = {
+    # the caller's deadlines: for a prefill (queueing included), and for a decode's whole answer (a
+    # stream's: until its first piece); running out blames no server that was still working (watch.py)
     "prefill_timeout": 60.0,
     "decode_timeout": 180.0,
+    # a server that sends nothing, not even its heartbeat (one a second while it works), for this long
+    # is taken as hung: the request moves on and the server is marked down until it answers again
+    "progress_timeout": 5.0,
     "connect_timeout": 3.0,
     "health_timeout": 2.0,
     "health_check_interval": 10.0,
@@ -69,9 +75,12 @@ class ServerOptions:
     api_token: str | None = None
     threads: int = 32  # gunicorn request threads of each server: threads - 1 may wait for or hold a model slot
     # llama.cpp's CPU threads at a barrier: "spin" (OpenMP's default: spin briefly, then sleep), "sleep"
-    # (OMP_WAIT_POLICY=PASSIVE), or "auto": sleep only when the servers on one machine have more compute
-    # threads than it has cores (tuning.py)
+    # (OMP_WAIT_POLICY=PASSIVE), or "auto": spin while the servers on one machine share its cores
+    # (share_cores), else sleep only when they have more compute threads than it has cores (tuning.py)
     openmp_wait: str = "auto"
+    # the llama.cpp servers of the cluster on one machine compute with the threads that fit its cores:
+    # all of theirs while alone, a share while others are busy (server/cores.py)
+    share_cores: bool = True
     max_queue: int = 64  # requests waiting for a slot beyond which a server answers 503 at once
     # Trust and limits (docs/ARCHITECTURE.md, "Trust and limits")
     kv_sources: tuple = ()  # decode: hosts/URLs it may pull KV from besides the cluster's prefill servers
@@ -82,6 +91,7 @@ class ServerOptions:
     max_lease_bytes: int = 32 << 30  # prefill: bytes of KV held under leases at once; beyond, 503
     max_lease_seconds: float = 600.0  # prefill: the longest lease_seconds a request may ask for
     body_timeout: float = 10.0  # seconds a client has to send its request body (408 after)
+    header_timeout: float = 10.0  # seconds a client has to send its request line and headers (408 after)
     # The handoff canary (kv/canary.py; docs/ARCHITECTURE.md, "The canary")
     canary_top_k: int = 8  # prefill: top-k log-probs of the next-token distribution in each bundle; 0 = off
     canary_tolerance: float = 0.5  # decode: max abs log-prob difference allowed, same engine on both sides
@@ -94,6 +104,7 @@ SERVER_DEFAULTS = {f.name: f.default for f in fields(ServerOptions)}
 
 # Ranges checked on load: key -> (lowest allowed, whether the lowest itself is allowed).
 CLIENT_RANGES = {"prefill_timeout": (0, False), "decode_timeout": (0, False), "connect_timeout": (0, False),
+                 "progress_timeout": (HEARTBEAT_SECONDS, False),
                  "health_timeout": (0, False), "health_check_interval": (0, True),
                  "failures_before_down": (1, True), "retries": (0, True), "history_size": (1, True)}
 SERVER_RANGES = {"lease_seconds": (0, False), "queue_timeout": (0, False), "kv_fetch_timeout": (0, False),
@@ -101,7 +112,8 @@ SERVER_RANGES = {"lease_seconds": (0, False), "queue_timeout": (0, False), "kv_f
                  "kv_socket_buffer_bytes": (0, True), "max_kv_bytes": (1, True), "threads": (2, True),
                  "kv_progress_timeout": (0, False), "max_request_bytes": (1024, True), "max_prompt_chars": (1, True),
                  "max_schema_bytes": (2, True), "max_lease_bytes": (1, True), "max_lease_seconds": (0, False),
-                 "body_timeout": (0, False), "canary_top_k": (0, True), "canary_tolerance": (0, True),
+                 "body_timeout": (0, False), "header_timeout": (0, False), "canary_top_k": (0, True),
+                 "canary_tolerance": (0, True),
                  "canary_cross_tolerance": (0, True), "canary_exact_tolerance": (0, True)}
 
 

@@ -138,6 +138,12 @@ class RubricError(GradingError):
     code = "rubric_error"
 
 
+class GradingStopped(GradingError):
+    """A model request of the grader was abandoned because the batch is stopping (Ctrl-C, a stop button)."""
+
+    status, code = 499, "grading_stopped"
+
+
 def _subclasses(cls):
     for sub in cls.__subclasses__():
         yield sub

@@ -106,6 +106,8 @@ class CostModel:
             tokens = dec.get("prompt_tokens") or pre.get("prompt_tokens")
             if tokens and chars >= MIN_CHARS_FOR_RATIO:
                 self._avg("chars_per_token", model).add(chars / tokens)
+            if (dec.get("completion_tokens") or 0) >= MIN_TOKENS_FOR_SPEED and dec.get("decode_speed"):
+                self._avg("decode_speed", decode).add(float(dec["decode_speed"]))
             if path == HANDOFF:
                 self._observe_handoff(model, prefill, decode, pre, dec, ttft)
             elif path == LOCAL:
@@ -144,6 +146,13 @@ class CostModel:
             self._avg("fixed", LOCAL).add(max(0.0, ttft - parts))
 
     # -- estimating ---------------------------------------------------------------------------
+
+    def server_speeds(self, server: str) -> tuple[float | None, float | None]:
+        """(prompt tokens/s, generated tokens/s) this client has measured on ``server`` (None: not yet):
+        what the client expects of its answers (watch.py)."""
+        with self._lock:
+            return (self._value("prefill_speed", server) or self._value("local_speed", server),
+                    self._value("decode_speed", server))
 
     def speeds(self, prefill: str | None, decode: str, reported: tuple = (None, None)) -> tuple[float, float, str]:
         """(prefill speed, decode-side prompt speed, basis): measured (by this client, or as the servers'

@@ -15,24 +15,38 @@ they ran at about 60% of the speed of one large copy. Setting glibc's
 It applies to glibc on x86-64 Linux only; elsewhere (macOS, ARM) nothing is set. An operator's own setting of the
 same tunable in ``GLIBC_TUNABLES`` wins.
 
-**llama.cpp's CPU threads spin unless the machine is shared.** The CPU build
-runs each op of the graph on an OpenMP team and meets a barrier after it.
-OpenMP's default makes a thread that reaches a barrier spin for a while before
-it sleeps; ``OMP_WAIT_POLICY=PASSIVE`` makes it sleep at once. Measured on the
-2-core development machine (docs/benchmarks.md, "Throughput under
-concurrency"): a decode server alone on the machine with 8 requests generating
-ran at about half its rate when its threads slept at every barrier; but four
-servers of two threads each sharing those 2 cores collapsed when they spun (at 8
-concurrent requests, 0.04 requests/s against 0.6), since a spinning thread
-holds a core while the partner it waits for is not running. So
-``server.openmp_wait`` is ``auto`` by default: sleep when the config's
-servers on this server's machine have more compute threads in all (each
-engine's ``compute_threads``: llama.cpp's and torch's) than it has cores, spin otherwise; ``spin`` and ``sleep`` force
-either. An operator's own ``OMP_WAIT_POLICY`` wins. PyTorch's CPU threads are an
-OpenMP team too (its wheel's own libgomp reads the same variable): on the same
+**Sharing the cores.** The CPU build runs each op of llama.cpp's graph on an
+OpenMP team and meets a barrier after it, hundreds of times a step. A thread
+that spins there keeps a step at the engine's speed while its partner runs;
+one that sleeps at once (``OMP_WAIT_POLICY=PASSIVE``) pays a wake-up per
+barrier: one request decoded at a quarter of llama.cpp's own server's speed on
+the 2-core development machine. But spinning threads of servers that share
+cores collapse (four servers of two threads on two cores: every request ended
+in 503), because a spinning thread holds a core its partner waits for.
+
+So the llama.cpp servers of a config that share a machine share its cores at
+run time (``server.share_cores``, on by default; ``server/cores.py``): before
+each step a server takes all its threads while the busy servers' threads fit
+the cores, and its share of them (one thread each, on two cores) while they do
+not. Their threads then never outnumber the cores, and they spin
+(``openmp_wait: auto``), at most ``SHARED_SPIN_COUNT`` rounds (libgomp's
+``GOMP_SPINCOUNT``) before they sleep: long enough to cover the waits at the
+barriers of a step, short enough that a thread whose server has just gone
+idle soon gives its core up (libgomp's default, 300,000 rounds, is
+milliseconds). Other programs can still take the cores a spinning thread's
+partner needs; a server whose steps show it (``cores.Contention``) computes
+with one thread for a while. Measured on the development machine
+(docs/benchmarks.md, "Against llama.cpp's own server").
+Without sharing (``share_cores: false``, or a transformers server on the
+machine, whose torch threads are an OpenMP team too and take no share),
+``auto`` sleeps when the config's servers on this server's machine have more
+compute threads in all (each engine's ``compute_threads``) than it has cores,
+and spins (OpenMP's default) otherwise; ``spin`` and ``sleep`` force either. An
+operator's own ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins. PyTorch's CPU
+threads read the same variables (its wheel's own libgomp): on the same
 machine, loaded by other work, a 38-token forward of SmolLM2 with two torch
-threads took 0.37-0.64 s with ``OMP_WAIT_POLICY=PASSIVE``, 1.8 s with libgomp's
-default and 4.0-5.5 s with ``ACTIVE``.
+threads took 0.37-0.64 s with ``OMP_WAIT_POLICY=PASSIVE``, 1.8 s with
+libgomp's default and 4.0-5.5 s with ``ACTIVE``.
 """
 from __future__ import annotations
 
@@ -43,13 +57,32 @@ TUNABLES = "GLIBC_TUNABLES"
 NON_TEMPORAL = "glibc.cpu.x86_non_temporal_threshold"
 MIN_NON_TEMPORAL_BYTES = 0x4040  # glibc ignores a smaller threshold
 OPENMP_WAITS = ("auto", "spin", "sleep")  # server.openmp_wait
+# libgomp's spin rounds at a barrier before a thread sleeps, for servers that share their cores: 10,000
+# kept one model at the engine's speed where 1,000 lost a sixth of it, and two busy models as fast as
+# 1,000 did, while libgomp's default (300,000) lost to both there (docs/benchmarks.md).
+SHARED_SPIN_COUNT = 10000
 
 
-def openmp_wait(policy: str, compute_threads: int, cpus: int | None = None) -> str:
-    """``spin`` or ``sleep`` for ``server.openmp_wait`` (``auto`` decided by the threads sharing the cores)."""
+def openmp_wait(policy: str, compute_threads: int, cpus: int | None = None, shared: bool = False) -> str:
+    """``spin`` or ``sleep`` for ``server.openmp_wait``. ``auto``: spin when the machine's servers share
+    its cores at run time (``shared``: their threads then fit the cores), else sleep when their
+    ``compute_threads`` are more than the cores."""
     if policy != "auto":
         return policy
+    if shared:
+        return "spin"
     return "sleep" if compute_threads > (cpus or os.cpu_count() or 1) else "spin"
+
+
+def openmp_environment(wait: str, shared: bool) -> dict:
+    """What a server's environment tells libgomp (read when llama.cpp or torch loads), for its resolved
+    ``wait`` (``openmp_wait``): sleep at once at a barrier for ``sleep``; for ``spin`` with shared
+    cores, spin at most ``SHARED_SPIN_COUNT`` rounds."""
+    if wait == "sleep":
+        return {"OMP_WAIT_POLICY": "PASSIVE"}
+    if shared:
+        return {"GOMP_SPINCOUNT": str(SHARED_SPIN_COUNT)}
+    return {}
 
 
 def glibc_on_x86() -> bool:

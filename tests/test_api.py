@@ -22,7 +22,16 @@ def test_prefill_accepts_prompt_or_messages():
     ({"prompt": ""}, "prompt"),
     ({"prompt": 3}, "prompt"),
     ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "messages"),
-    ({"messages": [{"role": "user"}]}, "messages[0]"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"name": "f", "arguments": "{x"}]}]},
+     "messages[0].tool_calls[0].arguments"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {}}]},
+     "tools[0].function.name"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f"}], "tool_choice": {"name": "g"}},
+     "tool_choice"),
+    ({"prompt": "a", "reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"prompt": "a", "lease_seconds": 0}, "lease_seconds"),
     ({"prompt": "a", "promt": "typo"}, "promt"),
     ([1, 2], "body"),
@@ -52,6 +61,8 @@ def test_decode_needs_exactly_one_source_of_prompt_state():
     ({"tokens": [1], "stream": "yes"}, "stream"),
     ({"tokens": [1], "format": "yaml"}, "format"),
     ({"tokens": [1], "max_tokens": 1, "max_new_tokens": 2}, "max_tokens"),
+    ({"tokens": [1], "reasoning_budget": -1}, "reasoning_budget"),
+    ({"tokens": [1], "tools": {"name": "f"}}, "tools"),
 ])
 def test_decode_refusals_name_the_field(body, field):
     assert refused(api.parse_decode, body).field == field

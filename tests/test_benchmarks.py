@@ -179,6 +179,31 @@ def test_failover():
                        (fallback, "time_to_first_decode_only_answer_s")):
         assert phase["requests_after_kill"] > 0 and 0 <= phase["errors"] <= phase["requests_after_kill"]
         assert phase[key] is not None and 0 < phase[key] <= window + failover["slowest_request_across_the_kill_s"]
+    for name, key in (("hang_prefill", "time_to_first_answer_via_other_server_s"),
+                      ("hang_decode", "time_to_first_failure_s")):
+        hang = out[name]
+        assert hang["frozen_s"] == window and hang["requests_while_frozen"] > 0
+        assert 0 <= hang["errors_while_frozen"] <= hang["requests_while_frozen"]
+        assert hang[key] is not None and 0 < hang[key] <= window
+        # thawed, the server serves again without a restart, within the run's last window
+        assert hang["time_from_thaw_to_first_answer_through_it_s"] is not None
+        assert 0 < hang["time_from_thaw_to_first_answer_through_it_s"] <= window
+    assert out["hang_prefill"]["errors_while_frozen"] == 0  # the other prefill server took the requests
+
+
+@pytest.mark.slow
+def test_slow_clients():
+    out = run_quick("slow_clients.py")
+    assert out["quick"] is True and set(out["workers"]) == {"gthread", "buffered"}
+    for name, row in out["workers"].items():
+        assert row["idle"]["failed_or_timed_out"] == 0, (name, row)
+        for kind in ("health", "generate"):
+            summary = row["slow"][kind]
+            assert summary["answered"] == 0 or summary["p50_ms"] <= summary["max_ms"]
+    buffered = out["workers"]["buffered"]["slow"]
+    # the buffered worker answers every probe beside the slow connections, and closes each of them
+    assert buffered["failed_or_timed_out"] == 0 and buffered["closed_by_server"] == out["connections"]
+    assert buffered["closed_after_s"] <= out["header_timeout_s"] + 5
 
 
 @pytest.mark.slow
@@ -229,19 +254,56 @@ def test_engines():
         assert (r["convert_ms"] is None) == (r["pair"] == "mlx->mlx")  # MLX -> MLX converts nothing
         if r["convert_ms"] is not None:
             assert quotient(r["convert_ms_per_mb"], r["convert_ms"], r["kv_bytes"] / 1e6, 2)
+    throughput = out["prefill_throughput"]
+    if any(p.startswith("vllm->") for p in out["pairs"]):  # vLLM installed: its prefill against llama.cpp's
+        assert {(t["engine"], t["concurrency"]) for t in throughput} == {
+            (engine, c) for engine in ("vllm", "llama_cpp") for c in (1, 8)}
+        for t in throughput:
+            assert quotient(t["prompt_tokens_per_s"], t["prompt_tokens"], t["wall_s"], 3, 1)
+            assert t["prompt_tokens_cached"] == 0  # distinct prompts: neither prefix cache may help
+    else:
+        assert throughput == [] and "vllm->mlx" in out["left_out"]
 
 
 @pytest.mark.slow
 def test_grading():
     out = run_quick("grading.py")
     runs = out["runs"]
-    assert out["quick"] is True and [r["jobs"] for r in runs] == [1, 2]
+    assert out["default_jobs"] == 2 and [r["jobs"] for r in runs] == [2, 4, 1]  # the default, twice it, 1
+    assert "meaningless" in out["models"]  # the quick run says its answers mean nothing
     for r in runs:
-        assert r["notebooks"] == 2 == len(r["scores"])
-        assert r["cores_busy"] == pytest.approx(r["cpu_s"] / (r["wall_s"] * out["machine"]["cpus"]), abs=0.01)
-    assert quotient(out["jobs_1_over_jobs_2"], runs[0]["wall_s"], runs[1]["wall_s"], 2)
-    differing = sorted(n for n in runs[0]["scores"] if runs[0]["scores"][n] != runs[1]["scores"][n])
-    assert out["scores_differing_between_settings"] == differing
+        assert r["notebooks"] == 4 == len(r["scores"]) == sum(r["statuses"].values())
+        assert r["notebooks_per_minute"] == pytest.approx(60 * r["notebooks"] / r["wall_s"], rel=0.01)
+        assert r["requests"] >= 2 * r["notebooks"] and r["errors"] == [] and r["fallbacks"] == 0  # both models each
+        assert max(r["most_busy"][f"local-decode-{m}"] for m in ("qwen", "gpt-oss")) <= r["jobs"]
+    best = max(runs, key=lambda r: r["notebooks_per_minute"])
+    assert out["best_jobs"] == best["jobs"]
+    assert quotient(out["default_vs_best"], runs[0]["notebooks_per_minute"], best["notebooks_per_minute"], 3)
+
+
+@pytest.mark.slow
+def test_peer():
+    """Runs against llama-server where one is already built (the quick run never builds it), else says why
+    the peer's rows are missing; every cell is the median of its rows, and each of ours is over the peer's."""
+    out = run_quick("peer.py")
+    rows, cells = out["rows"], out["cells"]
+    ours = {"decode-server", "gateway"}
+    peer_ran = out["peer"]["skipped"] is None
+    assert peer_ran or out["peer"]["skipped"]  # a reason, when skipped
+    assert {r["endpoint"] for r in rows} == ours | ({"llama-server"} if peer_ran else set())
+    for r in rows:
+        assert r["failed"] == 0 and r["completion_tokens"] == r["requests"] * (8 if r["workload"] == "decode-bound" else 4)
+        assert quotient(r["gen_tok_s"], r["completion_tokens"], r["wall_s"], 3, 2)
+    for c in cells:
+        same = [r for r in rows if all(r[k] == c[k] for k in ("workload", "concurrency", "busy_models", "endpoint"))]
+        assert c["rounds"] == len(same) == 1 and c["gen_tok_s"] == same[0]["gen_tok_s"]
+        peer = next((p for p in cells if p["endpoint"] == "llama-server"
+                     and all(p[k] == c[k] for k in ("workload", "concurrency", "busy_models"))), None)
+        if c["endpoint"] in ours and peer is not None:
+            assert quotient(c["speed_vs_peer"], c["gen_tok_s"], peer["gen_tok_s"], 2)
+        else:
+            assert c["speed_vs_peer"] is None
+    assert set(out["servers"]) == {f"local-{role}-{m}" for role in ("prefill", "decode") for m in ("qwen", "gpt-oss")}
 
 
 @pytest.mark.slow

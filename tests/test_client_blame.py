@@ -71,3 +71,37 @@ def test_a_decode_server_reporting_its_kv_pull_failed_is_not_marked_down():
             text, metrics = client.generate("qwen", "hi")
         assert text == "ok" and metrics["method"] == "decode_only_fallback"
         assert client.servers["d1"].up and client.servers["d2"].up
+
+
+def test_the_recompute_avoids_a_prefill_server_its_kv_could_not_be_pulled_from():
+    """A decode server that answers its KV pull timed out (a hung prefill server: no KV bytes came) gets
+    the recompute's KV from the other prefill server; the first one is marked (softly), not the decode."""
+    data = two_decode_config()
+    data["prefill_servers"] = [{"name": "p1", "host": "127.0.0.1", "port": 9001, "model": "qwen"},
+                               {"name": "p2", "host": "127.0.0.1", "port": 9004, "model": "qwen"}]
+    data["decode_servers"] = data["decode_servers"][:1]
+    data["client"]["failures_before_down"] = 2
+    with DisaggregatedClient(data, health_check=False) as client:
+        stalled = UpstreamTimeout("KV transfer from http://127.0.0.1:9001 abandoned: no KV bytes arrived for 5s",
+                                  field="kv")
+        pulls = []
+
+        def post(server, path, body, timeout):
+            if path == "/prefill":
+                return {**PREFILLED, "server": server.entry.name}
+            pulls.append(body["kv"])
+            if len(pulls) == 1:
+                raise stalled
+            return DECODED
+
+        calls = []
+        client._post = lambda server, path, body, timeout: calls.append((server.entry.name, path)) or post(
+            server, path, body, timeout)
+        client.servers["p2"].outstanding = 1  # p1 is tried first
+        text, metrics = client.generate("qwen", "hi")
+        client.servers["p2"].outstanding = 0
+    prefills = [name for name, path in calls if path == "/prefill"]
+    assert text == "ok" and prefills == ["p1", "p2"], calls
+    assert metrics["prefill_server"] == "127.0.0.1:9004" and any("recomputing" in w for w in metrics["warnings"])
+    assert client.servers["p1"].failures == 1 and client.servers["p1"].up  # suspect, not yet down
+    assert client.servers["d1"].up and client.servers["d1"].failures == 0

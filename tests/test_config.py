@@ -83,9 +83,9 @@ def test_a_transformers_prefill_pairs_with_an_mlx_decode_server(tmp_path):
 
 
 def test_model_backend_is_checked(tmp_path):
-    data = {**SEEDS_SHAPE, "models": {"qwen": {"backend": "vllm"}, "gpt-oss": {}}}
+    data = {**SEEDS_SHAPE, "models": {"qwen": {"backend": "tensorrt"}, "gpt-oss": {}}}
     with pytest.raises(ConfigError, match=r"models\.qwen\.backend must be a registered backend \(llama_cpp, (mlx, )?"
-                                          r"ollama.*\), got 'vllm'"):
+                                          r"ollama.*vllm.*\), got 'tensorrt'"):
         config.load(write(tmp_path, data))
 
 
@@ -94,10 +94,10 @@ def test_a_registered_plugin_backend_is_accepted(tmp_path, monkeypatch):
 
     # a class that can be imported: the config checks a model's options against its engine's declarations
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    monkeypatch.setitem(registry._REGISTRY, "vllm", "tests.echo_engine:EchoBackend")
-    data = {**SEEDS_SHAPE, "models": {"qwen": {"backend": "vllm"}, "gpt-oss": {}}}
+    monkeypatch.setitem(registry._REGISTRY, "tensorrt", "tests.echo_engine:EchoBackend")
+    data = {**SEEDS_SHAPE, "models": {"qwen": {"backend": "tensorrt"}, "gpt-oss": {}}}
     cfg = config.load(write(tmp_path, data))
-    assert cfg.prefill_servers[0].settings["backend"] == "vllm"
+    assert cfg.prefill_servers[0].settings["backend"] == "tensorrt"
 
 
 def test_entry_point_backends_are_registered(monkeypatch):

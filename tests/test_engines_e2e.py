@@ -1,4 +1,5 @@
-"""Engine pairs through real gunicorn servers: llama.cpp, MLX and transformers prefill -> MLX decode.
+"""Engine pairs through real gunicorn servers: llama.cpp, MLX and transformers prefill -> MLX decode, and
+MLX and transformers prefill -> llama.cpp decode.
 
 Model "smol" pairs a llama.cpp prefill server with an MLX decode server (the client asks the
 prefill server for neutral_kv because the decode server's /health accepts only that);
@@ -6,6 +7,12 @@ prefill server for neutral_kv because the decode server's /health accepts only t
 an MLX decode server, which permutes K from transformers' head-dim order on import (where torch
 is not installed, that pair is left out of the cluster and its case skipped). Each continues the
 prompt after one recomputed token, with MLX's own greedy text for N_TOKENS tokens.
+
+"decode-llama" (model key "smol-llama", a llama.cpp decode server with no prefill server of its own)
+continues the neutral bundles of the MLX and transformers prefill servers: llama.cpp computes with
+the GGUF's quantized weights, they with its float32 dequantisation, so the canary is held to
+LLAMA_TOLERANCE (tests/test_vllm_e2e.py says what was measured) and the greedy text, on LONG_PROMPT,
+to llama.cpp's own.
 """
 from __future__ import annotations
 
@@ -29,12 +36,14 @@ HAS_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.fin
 # left in the wrong head-dim order moves the logits by 5.6 mean abs). The canary's own cross-engine
 # tolerance is 1.0; this test holds the pair to 1e-3.
 TF_CANARY_TOLERANCE = 1e-3
+LONG_PROMPT = "Explain what a confusion matrix shows, and how precision and recall are computed from it. " * 6
+LLAMA_TOLERANCE = 0.75
 
 
 def engines_config() -> dict:
     model = {"backend": "llama_cpp", "model": "smollm2", "n_ctx": 2048, "n_threads": THREADS}
     config = {
-        "models": {"smol": dict(model), "smol-mlx": dict(model, backend="mlx")},
+        "models": {"smol": dict(model), "smol-mlx": dict(model, backend="mlx"), "smol-llama": dict(model)},
         "prefill_servers": [
             {"name": "prefill-llama", "host": "127.0.0.1", "port": 18110, "model": "smol"},
             {"name": "prefill-mlx", "host": "127.0.0.1", "port": 18111, "model": "smol-mlx"},
@@ -42,6 +51,7 @@ def engines_config() -> dict:
         "decode_servers": [
             {"name": "decode-mlx", "host": "127.0.0.1", "port": 18112, "model": "smol", "backend": "mlx"},
             {"name": "decode-mlx-2", "host": "127.0.0.1", "port": 18113, "model": "smol-mlx"},
+            {"name": "decode-llama", "host": "127.0.0.1", "port": 18116, "model": "smol-llama"},
         ],
         "client": {"prefill_timeout": 120, "decode_timeout": 300, "health_check_interval": 0, "retries": 1},
         "server": {"lease_seconds": 60, "queue_timeout": 120},
@@ -139,6 +149,21 @@ def test_transformers_prefill_hands_over_halves_order_k_and_names_what_it_ran(ur
     assert meta["head_dim_order"] == "halves" and meta["rope"]["style"] == "neox" and meta["dtype"] == "f32"
     assert header.meta["canary"]["engine"] == "transformers/cpu"
     assert len(payload) == meta["n_layer"] * 2 * meta["n_kv_heads"] * (len(tokens) - 1) * meta["head_dim_k"] * 4
+
+
+@pytest.mark.parametrize("prefill", ["prefill-mlx", pytest.param("prefill-tf", marks=NEEDS_TORCH)])
+def test_llama_cpp_decode_continues_another_engines_neutral_kv(urls, http, prefill):
+    pre = http.post(urls[prefill] + "/prefill", json={"prompt": LONG_PROMPT, "raw": True}, timeout=120).json()
+    assert pre["handoff"] == "neutral_kv"
+    body = {"max_new_tokens": N_TOKENS, "temperature": 0}
+    answer = http.post(urls["decode-llama"] + "/decode", json={"kv": pre["kv"], **body}, timeout=300).json()
+    m = answer["metrics"]
+    assert m["method"] == "kv_handoff" and m["handoff"] == "neutral_kv" and m["prompt_tokens_recomputed"] == 1, m
+    assert m["canary"] == "passed" and m["canary_divergence"] < LLAMA_TOLERANCE, m
+    assert m["kv_convert_time"] > 0  # float32 -> the f16 cache (and, from transformers, K into interleaved order)
+    own = http.post(urls["decode-llama"] + "/generate", json={"prompt": LONG_PROMPT, "raw": True, **body},
+                    timeout=300).json()
+    assert answer["generated_text"] == own["generated_text"] and own["generated_text"]
 
 
 def test_json_schema_is_refused_with_400(urls, http):

@@ -5,6 +5,7 @@ ports where nothing listens, or at a socket that accepts and never answers.
 """
 from __future__ import annotations
 
+import io
 import json
 import socket
 
@@ -69,10 +70,18 @@ def test_bad_bodies_are_400s_naming_the_field():
     cases = [
         ("/v1/chat/completions", {**CHAT, "temperature": 9}, "temperature"),
         ("/v1/chat/completions", {**CHAT, "frobnicate": 1}, "frobnicate"),
-        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+         "tools[0].function.name"),
+        ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {**CHAT, "reasoning_effort": "maximal"}, "reasoning_effort"),
+        ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions"),
         ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         ("/v1/completions", {"model": "qwen", "prompt": ["a", "b"]}, "prompt"),
         ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/completions", {"model": "qwen", "prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
+        ("/v1/chat/completions", {**CHAT, "ignore_eos": True, "response_format": {"type": "json_object"}}, "ignore_eos"),
     ]
     for path, body, param in cases:
         resp = client.post(path, json=body)
@@ -103,6 +112,16 @@ def test_a_body_over_the_configured_size_is_a_413_naming_the_body_and_the_gatewa
         else:
             assert "4096" in error
     assert client.get("/v1/models").status_code == 200
+    # a chunked body (no Content-Length) over the limit too: was Werkzeug's own 413, typed server_error
+    for path in ("/v1/chat/completions", "/api/chat"):
+        resp = client.post(path, input_stream=io.BytesIO(json.dumps(big).encode()), content_type="application/json",
+                           headers={"Transfer-Encoding": "chunked"}, environ_overrides={"wsgi.input_terminated": True})
+        assert resp.status_code == 413, resp.get_data(as_text=True)
+        error = resp.get_json()
+        if path.startswith("/v1"):
+            assert error["error"]["param"] == "body" and error["error"]["type"] == "invalid_request_error", error
+        else:
+            assert error["field"] == "body", error
 
 
 def test_ollama_empty_prompt_only_loads_and_unknown_model_is_404():
@@ -148,3 +167,64 @@ def test_the_gateway_runs_under_gunicorn_with_its_own_app():
     assert conf.wsgi_app == "disaggregated_inference.gateway.wsgi:create_app()" and conf.workers == 1
     assert build_parser().parse_args(["up"]).no_gateway is False
     assert build_parser().parse_args(["gateway", "--bind", "0.0.0.0:9000"]).func.__name__ == "cmd_gateway"
+
+
+def _nested_schema(depth: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_the_whole_request_is_checked_before_a_server_is_chosen_even_with_none_up():
+    """Issue 33 §3: what every server would refuse is refused by the gateway itself, in each API's shape
+    and naming the API's own field, although no server is up (the client checks the request as the
+    servers parse it before it looks for one)."""
+    client = create_app(_config(_free_port(), _free_port())).test_client()
+    surrogate = '{"model": "qwen", "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    openai_cases = [
+        ("/v1/chat/completions", surrogate, 400, "messages[0].content"),
+        # a schema nested 40 levels deep is past the servers' 32 for a json_schema; 100 levels (200 of
+        # JSON) are past the 128 any body may have
+        ("/v1/chat/completions", json.dumps({**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": _nested_schema(40)}}}), 400, "response_format"),
+        ("/v1/chat/completions", json.dumps({**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": _nested_schema(100)}}}), 400, "body"),
+        ("/v1/chat/completions", json.dumps({**CHAT, "stop": [f"s{i}" for i in range(17)]}), 400, "stop"),
+        ("/v1/completions", json.dumps({"model": "qwen", "prompt": "x" * ((1 << 20) + 1)}), 413, "prompt"),
+        ("/v1/chat/completions", json.dumps(CHAT)[:-1] + ', "model": "qwen"}', 400, "body"),  # duplicate key
+    ]
+    for path, body, status, param in openai_cases:
+        resp = client.post(path, data=body, content_type="application/json")
+        assert resp.status_code == status, (path, resp.get_json())
+        error = resp.get_json()["error"]
+        assert error["param"] == param and error["type"] == "invalid_request_error", error
+    ollama_cases = [
+        ("/api/chat", surrogate, "messages[0].content"),
+        ("/api/chat", json.dumps({"model": "qwen", "messages": CHAT["messages"], "format": _nested_schema(40)}),
+         "format"),
+        ("/api/generate", json.dumps({"model": "qwen", "prompt": "hi", "options": {"mirostat": 1}}), "options.mirostat"),
+        ("/api/generate", json.dumps({"model": "qwen", "prompt": "hi", "options": {"stop": ["x"] * 17}}),
+         "options.stop"),
+        ("/api/generate", json.dumps({"model": "qwen", "prompt": "hi", "options": {"temperature": 9}}),
+         "options.temperature"),
+    ]
+    for path, body, field in ollama_cases:
+        resp = client.post(path, data=body, content_type="application/json")
+        assert resp.status_code == 400 and resp.get_json()["field"] == field, (path, resp.get_json())
+    # and a body that is fine is answered as before: 503, no server up
+    assert client.post("/v1/chat/completions", json=CHAT).status_code == 503
+
+
+def test_every_4xx_keeps_openais_shape_and_type():
+    cfg = _config(_free_port(), _free_port(), gateway={"api_token": "s3cret"})
+    client = create_app(cfg).test_client()
+    resp = client.get("/v1/models")
+    assert resp.status_code == 401 and resp.get_json()["error"]["type"] == "authentication_error"
+    auth = {"Authorization": "Bearer s3cret"}
+    for method, path, status in (("get", "/v1/nowhere", 404), ("get", "/v1/chat/completions", 405)):
+        resp = getattr(client, method)(path, headers=auth)
+        assert resp.status_code == status and resp.get_json()["error"]["type"] == "invalid_request_error"
+    resp = client.post("/v1/chat/completions", data=b"[" * 200 + b"]" * 200, headers=auth,
+                       content_type="application/json")
+    assert resp.status_code == 400 and resp.get_json()["error"]["param"] == "body"

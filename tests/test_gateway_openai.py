@@ -63,6 +63,19 @@ def test_completion(oai):
     assert resp.usage.completion_tokens > 0
 
 
+def test_ignore_eos_generates_exactly_max_tokens_through_the_handoff(gateway):
+    """vLLM's and llama.cpp's extra parameter, through the gateway, the client and the decode server: a
+    one-word answer that ends its turn at once goes on to max_tokens (SmolLM2: a real model that ends
+    its turns; the tiny models' random weights seldom do)."""
+    oai = openai.OpenAI(base_url=gateway + "/v1", api_key="not-needed", max_retries=0, timeout=300)
+    ask = {"model": "qwen", "messages": [{"role": "user", "content": "Answer with one word: is water wet?"}],
+           "max_tokens": 40, "temperature": 0}
+    short = oai.chat.completions.create(**ask)
+    assert short.usage.completion_tokens < 40 and short.choices[0].finish_reason == "stop"
+    full = oai.chat.completions.create(**ask, extra_body={"ignore_eos": True})
+    assert full.usage.completion_tokens == 40 and full.choices[0].finish_reason == "length"
+
+
 def test_streamed_chat_joins_to_the_non_streamed_text(oai, tiny_gateway):
     messages = [{"role": "user", "content": "Write one short sentence about the sea."}]
     whole = oai.chat.completions.create(model="qwen", messages=messages, max_completion_tokens=20, temperature=0)
@@ -108,8 +121,39 @@ def test_json_schema_response_format_parses(oai):
     assert answer["colour"] in ("red", "green", "blue")
 
 
+PICK = {"type": "function", "function": {
+    "name": "pick_colour", "description": "Record the colour the user picked.",
+    "parameters": {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]}},
+                   "required": ["colour"], "additionalProperties": False}}}
+PICK_ONLY = {"type": "function", "function": {"name": "pick_colour"}}
+
+
+def test_the_embedded_model_calls_a_tool(oai):
+    """SmolLM2's template knows no tools: its call is a JSON object under a grammar (chat/template.py's envelope),
+    answered as OpenAI's tool_calls, streamed as a tool_calls delta; the result goes back in the next turn."""
+    messages = [{"role": "user", "content": "Pick a colour for the chart."}]
+    resp = oai.chat.completions.create(model="qwen", max_tokens=80, temperature=0, messages=messages, tools=[PICK],
+                                       tool_choice=PICK_ONLY)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "pick_colour"
+    arguments = json.loads(call.function.arguments)
+    assert arguments["colour"] in ("red", "green", "blue")
+    chunks = list(oai.chat.completions.create(model="qwen", max_tokens=80, temperature=0, messages=messages,
+                                              tools=[PICK], tool_choice=PICK_ONLY, stream=True))
+    deltas = [tc for chunk in chunks for c in chunk.choices for tc in (c.delta.tool_calls or [])]
+    assert [(d.index, d.function.name) for d in deltas] == [(0, "pick_colour")]
+    assert json.loads(deltas[0].function.arguments) == arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    follow = oai.chat.completions.create(model="qwen", max_tokens=6, temperature=0, messages=[
+        *messages, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "recorded"}])
+    assert follow.choices[0].finish_reason in ("stop", "length") and follow.choices[0].message.tool_calls is None
+
+
 @pytest.mark.parametrize("extra, param", [({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
-                                          ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")])
+                                          ({"functions": [{"name": "f"}]}, "functions")])
 def test_unsupported_parameter_is_a_400_naming_it(oai, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
         oai.chat.completions.create(model="qwen", messages=[{"role": "user", "content": "hi"}], max_tokens=2,

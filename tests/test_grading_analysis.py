@@ -110,3 +110,28 @@ def test_importing_the_grader_loads_no_model_or_ui_library():
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_the_feedback_models_reasoning_is_the_teachers_never_the_students(tmp_path):
+    """The feedback request asks for low effort by default; a reasoning model's chain of thought comes back in the
+    answer's metrics, stays in the result's record of that answer (the teacher's), and reaches neither the
+    student's feedback nor the student-facing report."""
+    from disaggregated_inference.grading.fakes import FAKE_REASONING
+    from disaggregated_inference.grading.grader import grade_notebook
+    from disaggregated_inference.grading.report import render_markdown
+
+    rubric = load_rubric(EXAMPLES / "rubric.yaml")
+    fake = FakeGradingClient()
+    result = grade_notebook(EXAMPLES / "notebooks" / "good_sales_analysis.ipynb", rubric, fake)
+    (feedback_call,) = [c for c in fake.calls if c["json_schema"] == feedback_schema()]
+    assert feedback_call["reasoning_effort"] == "low"
+    (code_call,) = [c for c in fake.calls if c is not feedback_call]
+    assert "reasoning_effort" not in code_call
+    answers = {a["role"]: a for a in result["layers"]["analysis"]["answers"]}
+    assert answers[FEEDBACK]["metrics"]["reasoning"] == FAKE_REASONING  # the record keeps it
+    assert result["feedback"]["summary"] and FAKE_REASONING not in str(result["feedback"])
+    assert "PRIVATE-CHAIN-OF-THOUGHT" not in render_markdown(result)
+    none = GradingOptions(feedback_reasoning_effort=None)
+    requests, _ = plan_requests(rubric, load_submission(EXAMPLES / "notebooks" / "good_sales_analysis.ipynb").notebook,
+                                collect_evidence(nbformat.v4.new_notebook()), {}, none)
+    assert all("reasoning_effort" not in r.kwargs for r in requests)

@@ -9,7 +9,7 @@ import pytest
 
 from disaggregated_inference.grading import deterministic_part, grade_batch, load_rubric
 from disaggregated_inference.grading.cli import main
-from disaggregated_inference.grading.connect import decode_slots
+from disaggregated_inference.grading.connect import default_jobs
 from disaggregated_inference.grading.fakes import FakeGradingClient
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -55,32 +55,38 @@ def test_jobs_grade_concurrently_in_order_with_the_same_results(folder, tmp_path
     one = grade_batch(folder, rubric, SlowFake(), tmp_path / "one", jobs=1)
     fake = SlowFake()
     events = []
-    many = grade_batch(folder, rubric, fake, tmp_path / "many", jobs=4, progress=lambda *e: events.append(e))
+    many = grade_batch(folder, rubric, fake, tmp_path / "many", jobs=4, progress=events.append)
     assert fake.most > 1  # several notebooks were at the models at the same time
     names = [r["submission"]["name"] for r in many.results]
     assert names == sorted(names) == [r["submission"]["name"] for r in one.results]
     assert [deterministic_part(r) for r in many.results] == [deterministic_part(r) for r in one.results]
-    finished = [e for e in events if e[3] != "grading"]
-    assert [e[0] for e in finished] == list(range(1, 10)) and all(e[1] == 9 for e in events)
-    assert sum(1 for e in events if e[3] == "grading") == 9
+    finished = [e for e in events if e.name and e.status != "grading"]
+    assert [e.done for e in finished] == list(range(1, 10)) and all(e.total == 9 for e in events)
+    assert sum(1 for e in events if e.status == "grading") == 9
+    # never more than --jobs grading at once; every notebook is waiting, grading or done
+    assert max(e.grading for e in events) <= 4
+    assert all(e.waiting + e.grading + e.done == 9 for e in events)
     # resumable: graded again, everything is kept
     again = grade_batch(folder, rubric, SlowFake(), tmp_path / "many", jobs=4)
     assert again.graded == [] and len(again.resumed) == 9
 
 
-def test_default_jobs_are_the_decode_slots_the_cluster_reports():
-    def server(role, health, up=True):
-        return SimpleNamespace(entry=SimpleNamespace(role=role), health=health, up=up)
+def test_default_jobs_are_the_decode_slots_of_the_model_with_the_fewest():
+    def server(role, model, health, up=True):
+        return SimpleNamespace(entry=SimpleNamespace(role=role, model=model), health=health, up=up)
 
     client = SimpleNamespace(servers={
-        "p": server("prefill", {"slots": {"total": 8}}),
-        "d1": server("decode", {"slots": {"total": 4, "busy": 1}}),
-        "d2": server("decode", {"slots": {"total": 2}}),
-        "d3": server("decode", {"slots": {"total": 16}}, up=False),
+        "p": server("prefill", "qwen", {"slots": {"total": 8}}),
+        "d1": server("decode", "qwen", {"slots": {"total": 4, "busy": 1}}),
+        "d2": server("decode", "qwen", {"slots": {"total": 2}}),
+        "d3": server("decode", "gpt-oss", {"slots": {"total": 16}}, up=False),
+        "d4": server("decode", "gpt-oss", {"slots": {"total": 3}}),
     })
-    assert decode_slots(client) == 6
-    assert decode_slots(SimpleNamespace(servers={"d": server("decode", {"loaded": True})})) == 2  # not reported
-    assert decode_slots(FakeGradingClient()) == 2
+    assert default_jobs(client) == 3  # qwen has 6, gpt-oss 3 (its server that is down is not counted)
+    assert default_jobs(client, ("qwen",)) == 6
+    not_reported = SimpleNamespace(servers={"d": server("decode", "qwen", {"loaded": True})})
+    assert default_jobs(not_reported) == 2
+    assert default_jobs(FakeGradingClient()) == 2
 
 
 def test_jobs_must_be_positive(tmp_path, capsys):

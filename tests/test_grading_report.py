@@ -36,10 +36,11 @@ def submissions(tmp_path):
 def test_batch_writes_every_report(submissions, tmp_path, rubric):
     out = tmp_path / "out"
     events = []
-    batch = grade_batch(submissions, rubric, FakeGradingClient(), out,
-                        progress=lambda *event: events.append(event))
-    assert batch.graded == NAMES and batch.resumed == []
-    assert events[-1] == (4, 4, "not_a_notebook", "invalid")
+    batch = grade_batch(submissions, rubric, FakeGradingClient(), out, progress=events.append)
+    assert batch.graded == NAMES and batch.resumed == [] and not batch.stopped
+    last = [e for e in events if e.name][-1]
+    assert (last.done, last.total, last.name, last.status) == (4, 4, "not_a_notebook", "invalid")
+    assert events[-1].final and events[-1].done == 4
     for name in NAMES:
         result = json.loads((out / f"{name}.json").read_text())
         assert result["format"] == "grading-result/1"
@@ -67,11 +68,13 @@ def test_batch_writes_every_report(submissions, tmp_path, rubric):
     assert summary["min"] == min(totals) and summary["max"] == 40 and summary["stdev"] > 0
     assert summary["by_status"] == {"graded": 3, "invalid": 1}
     assert [f["submission"] for f in summary["flagged"]] == ["not_a_notebook"]
-    inf = summary["inference"]
+    inf, run = summary["inference"], summary["run"]
     assert inf["requests"] == 6 and inf["prefill_time"] == 2.25 and inf["decode_time"] == 5.25
-    assert inf["overlap"] == pytest.approx(2.5 / 1.5, abs=1e-3) and "speedup" not in inf
-    assert "7.50 s of request time in 4.50 s of wall time" in (out / "summary.md").read_text()
+    # the batch's figures against its own wall time, not the sum of the notebooks' (test_grading_batch.py)
+    assert inf["request_time"] == 7.5 and inf["wall_time"] == run["wall_time_s"] and "speedup" not in inf
+    assert run["graded"] == 4 and run["kept"] == 0 and run["stopped"] is False
     md = (out / "summary.md").read_text()
+    assert f"7.50 s of request time in {run['wall_time_s']:.2f} s of wall time" in md
     assert "## Needs human review" in md and "**not_a_notebook** (invalid)" in md
 
 
@@ -158,11 +161,18 @@ def test_command_line(submissions, tmp_path, monkeypatch, capsys):
 
 def test_progress_lines_on_a_pipe():
     from disaggregated_inference.grading import StderrProgress
+    from disaggregated_inference.grading.batch import BatchProgress
 
     stream = io.StringIO()
     progress = StderrProgress(stream, width=4)
-    progress(0, 2, "alice", "grading")
-    progress(2, 2, "bob", "graded")
+    progress(BatchProgress(total=2, waiting=1, grading=1, done=0, kept=0, elapsed_s=0.4, eta_s=None,
+                           name="alice", status="grading"))
+    progress(BatchProgress(total=2, waiting=1, grading=1, done=0, kept=0, elapsed_s=1.0, eta_s=None))  # a tick
+    progress(BatchProgress(total=2, waiting=0, grading=1, done=1, kept=0, elapsed_s=75.0, eta_s=75.0,
+                           name="alice", status="graded"))
+    progress(BatchProgress(total=2, waiting=0, grading=0, done=2, kept=0, elapsed_s=150.0, eta_s=0.0,
+                           name="bob", status="graded", final=True))
     lines = stream.getvalue().splitlines()
-    assert lines[0].startswith("[----] 0/2 alice: grading (")
-    assert lines[1].startswith("[####] 2/2 bob: graded (")
+    assert lines == ["[----] 0/2 done, 1 grading, 1 waiting; 0s | alice: grading",  # not a line per tick
+                     "[##--] 1/2 done, 1 grading, 0 waiting; 1m15s, about 1m15s left | alice: graded",
+                     "[####] 2/2 done, 0 grading, 0 waiting; 2m30s | bob: graded"]

@@ -123,12 +123,12 @@ def test_disagg_serve_takes_the_api_token_from_the_environment_over_the_config(
     assert settings["api_token"] == (from_environment or "config-token")
 
 
-def _cohosted(hosts, n_threads, backend="llama_cpp"):
+def _cohosted(hosts, n_threads, backend="llama_cpp", **server):
     model = {"backend": backend, **({"n_threads": n_threads} if n_threads else {})}
     return cluster_config.from_dict({
         "prefill_servers": [{"host": hosts[0], "port": 8000, "model": "m"}],
         "decode_servers": [{"host": hosts[1], "port": 8001, "model": "m"}],
-        "models": {"m": model}})
+        "models": {"m": model}, "server": server})
 
 
 @pytest.mark.parametrize("hosts, n_threads, backend, expected", [
@@ -140,12 +140,58 @@ def _cohosted(hosts, n_threads, backend="llama_cpp"):
     (("127.0.0.1", "127.0.0.1"), 3, "transformers", "sleep"),
     (("127.0.0.1", "127.0.0.1"), None, "transformers", "sleep"),  # torch's default: every core, in each server
 ])
-def test_openmp_wait_auto_sleeps_only_when_a_machines_servers_oversubscribe_its_cores(
+def test_openmp_wait_auto_without_shared_cores_sleeps_only_when_a_machines_servers_oversubscribe_it(
         monkeypatch, hosts, n_threads, backend, expected):
     monkeypatch.setattr("os.cpu_count", lambda: 4)
-    cfg = _cohosted(hosts, n_threads, backend)
+    cfg = _cohosted(hosts, n_threads, backend, share_cores=False)
     for entry in (*cfg.prefill_servers, *cfg.decode_servers):
-        assert from_cluster(cfg, entry.name).openmp_wait == expected
+        settings = from_cluster(cfg, entry.name)
+        assert settings.openmp_wait == expected and settings.core_group == ""
+
+
+@pytest.mark.parametrize("hosts, n_threads, backend, expected, shared", [
+    (("127.0.0.1", "localhost"), 3, "llama_cpp", "spin", True),      # 6 threads on 4 cores, shared at run time
+    (("10.0.0.1", "10.0.0.2"), 3, "llama_cpp", "spin", True),        # one per machine: a group of one each
+    (("127.0.0.1", "127.0.0.1"), 3, "transformers", "sleep", False),  # torch takes no share: counted as before
+    (("127.0.0.1", "127.0.0.1"), 3, "ollama", "spin", False),        # nothing to share
+])
+def test_openmp_wait_auto_spins_where_the_cores_are_shared(monkeypatch, hosts, n_threads, backend, expected, shared):
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    cfg = _cohosted(hosts, n_threads, backend)
+    groups = set()
+    for entry in (*cfg.prefill_servers, *cfg.decode_servers):
+        settings = from_cluster(cfg, entry.name)
+        assert settings.openmp_wait == expected and bool(settings.core_group) == shared
+        groups.add(settings.core_group)
+    if shared:  # the servers of one machine are one group; two machines, two
+        assert len(groups) == (1 if hosts[0] in ("127.0.0.1", "localhost") and hosts[1] in ("127.0.0.1", "localhost")
+                               else 2)
+
+
+def test_a_transformers_server_on_the_machine_keeps_the_llama_servers_from_sharing(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    cfg = cluster_config.from_dict({
+        "prefill_servers": [{"host": "127.0.0.1", "port": 8000, "model": "torch"}],
+        "decode_servers": [{"host": "127.0.0.1", "port": 8001, "model": "llama"}],
+        "models": {"torch": {"backend": "transformers", "n_threads": 2},
+                   "llama": {"backend": "llama_cpp", "n_threads": 3}}})
+    decode = from_cluster(cfg, cfg.decode_servers[0].name)
+    assert decode.core_group == "" and decode.openmp_wait == "sleep"  # 5 threads on 4 cores, unshared
+
+
+def test_each_local_cluster_is_a_group_of_its_own(monkeypatch):
+    from disaggregated_inference.ops import cluster
+
+    monkeypatch.setattr(cluster.ServerProcess, "start", lambda self, extra_env=None: self.sock.close())
+    data = {"prefill_servers": [{"name": "p", "host": "127.0.0.1", "port": 8000, "model": "m"}],
+            "decode_servers": [{"name": "d", "host": "127.0.0.1", "port": 8001, "model": "m"}],
+            "models": {"m": {"backend": "llama_cpp", "n_threads": 2}}}
+    groups = []
+    for _ in range(2):
+        with cluster.LocalCluster(data, free_ports=True) as local:
+            groups.append({p.settings.core_group for p in local.processes})
+    assert all(len(g) == 1 and next(iter(g)) for g in groups)  # both servers of a cluster in one group
+    assert groups[0] != groups[1]  # and two clusters on one machine in two
 
 
 def test_openmp_wait_forced_values_and_a_wrong_one():
@@ -159,20 +205,28 @@ def test_openmp_wait_forced_values_and_a_wrong_one():
 
 def test_the_server_command_sets_the_wait_policy_and_the_operators_own_wins():
     sleep, spin = ServerSettings(name="a", openmp_wait="sleep"), ServerSettings(name="a", openmp_wait="spin")
+    shared = ServerSettings(name="a", openmp_wait="spin", core_group="g")
     assert launch.server_command(sleep, "127.0.0.1:9001", {})[1]["OMP_WAIT_POLICY"] == "PASSIVE"
-    assert "OMP_WAIT_POLICY" not in launch.server_command(spin, "127.0.0.1:9001", {})[1]
+    assert not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(launch.server_command(spin, "127.0.0.1:9001", {})[1])
+    env = launch.server_command(shared, "127.0.0.1:9001", {})[1]
+    assert env["GOMP_SPINCOUNT"] == str(tuning.SHARED_SPIN_COUNT) and "OMP_WAIT_POLICY" not in env
     own = {"OMP_WAIT_POLICY": "ACTIVE"}
     assert launch.server_command(sleep, "127.0.0.1:9001", own)[1]["OMP_WAIT_POLICY"] == "ACTIVE"
+    own = {"GOMP_SPINCOUNT": "50000"}
+    assert launch.server_command(shared, "127.0.0.1:9001", own)[1]["GOMP_SPINCOUNT"] == "50000"
 
 
 @pytest.mark.parametrize("library", ["llama_cpp", pytest.param("torch", marks=pytest.mark.slow)])  # torch: ~8 s to load
-@pytest.mark.parametrize("policy, spins", [("sleep", False), ("spin", True)])
-def test_openmp_reads_the_policy_from_the_environment_we_build(policy, spins, library):
+@pytest.mark.parametrize("policy, group, spins", [
+    ("sleep", "", 0), ("spin", "", 300_000), ("spin", "g", tuning.SHARED_SPIN_COUNT)])
+def test_openmp_reads_the_policy_from_the_environment_we_build(policy, group, spins, library):
     """libgomp reads its settings when llama.cpp (or torch, with its own libgomp) loads: ask it what it
-    took (OMP_DISPLAY_ENV)."""
+    took (OMP_DISPLAY_ENV): the spin rounds at a barrier are 0 (sleep), its default, or the bounded count
+    of shared cores."""
     if importlib.util.find_spec(library) is None:
         pytest.skip(f"{library} is not installed")
-    _, env = launch.server_command(ServerSettings(name="a", openmp_wait=policy), "127.0.0.1:9001",
+    settings = ServerSettings(name="a", openmp_wait=policy, core_group=group)
+    _, env = launch.server_command(settings, "127.0.0.1:9001",
                                    {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))})
     env["OMP_DISPLAY_ENV"] = "VERBOSE"
     shown = subprocess.run([sys.executable, "-c", f"import {library}"], env=env, capture_output=True, text=True,
@@ -180,4 +234,4 @@ def test_openmp_reads_the_policy_from_the_environment_we_build(policy, spins, li
     line = next((ln for ln in shown.splitlines() if "GOMP_SPINCOUNT" in ln), None)
     if line is None:
         pytest.skip(f"this {library} build does not use GNU OpenMP")
-    assert (line.split("=", 1)[1].strip(" '") != "0") == spins, line
+    assert int(line.split("=", 1)[1].strip(" '")) == spins, line

@@ -141,8 +141,12 @@ LONG_PROMPT = ("The quarterly sales report lists revenue by region, product line
 @pytest.mark.slow
 def test_auto_keeps_a_few_tokens_local_and_hands_2k_tokens_off_saying_why(tiny_cluster):
     """A cold start: before the client has measured both paths (and before the servers report any
-    speed), the prior decides: a few tokens stay on the decode server, a long prompt goes to the
-    prefill server; each answer says why."""
+    speed), the prior decides: a long prompt goes to the prefill server, and then (the prefill side
+    measured, the decode side by the prior's ratio) a few tokens stay on the decode server; each
+    answer says why. In that order: the tiny model evaluates a few dozen tokens in about a
+    millisecond, and a decode side measured on them first would be fast enough to keep even 2k
+    tokens local, rightly by its own figures (its prompt speed counts evaluation only; the chat
+    template and the tokenizer run before, on the request's thread)."""
     with DisaggregatedClient(tiny_cluster.config, health_check=False) as client:
         client.check_health()
         for server in client.servers.values():  # this session's servers may have served other tests

@@ -116,15 +116,13 @@ def test_stalled_clients_do_not_starve_health(tiny_prefill):
         time.sleep(1.0)
         health = requests.get(f"{tiny_prefill}/health", timeout=5)
         assert health.status_code == 200 and health.json()["loaded"] is True
-        # the stalled bodies cost a bounded time: each is answered 408 (or 503 beyond the work slots)
+        # the stalled bodies cost a bounded time, and no request thread: each waits for its body in the
+        # worker's poller (server/worker.py) and is answered 408 naming the body
         answers = []
         for sock in stalled:
             sock.settimeout(30)
-            answers.append(sock.recv(4096).split(b"\r\n", 1)[0])
-        # threads - 1 work slots: those wait for their bodies until 408, the last is 503 at once
-        # (and no slot was left taken by the tests before: a KV fetch's slot comes back too)
-        codes = sorted(a.split(b" ")[1].decode() for a in answers)
-        assert codes == ["408"] * (threads - 1) + ["503"], answers
+            answers.append(sock.recv(4096))
+        assert all(a.startswith(b"HTTP/1.1 408") and b'"field": "body"' in a for a in answers), answers
     finally:
         for sock in stalled:
             sock.close()

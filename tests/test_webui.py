@@ -3,19 +3,23 @@
 FakeGradingClient returns canned JSON; the pages, the grading flow and the dashboard are what is tested.
 """
 import json
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from disaggregated_inference.grading import grade_batch, load_rubric
 from disaggregated_inference.grading.fakes import FakeGradingClient
 from disaggregated_inference.observe.sampler import Sweep
 from disaggregated_inference.webui import launcher, state
 
 WEBUI = Path(state.__file__).parent
 APP, DASHBOARD, NAVIGATION = (str(WEBUI / name) for name in ("app.py", "dashboard.py", "navigation.py"))
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "examples" / "notebooks"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+NOTEBOOKS = EXAMPLES / "notebooks"
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +44,9 @@ def test_grade_the_examples(out_dir):
     assert len(fake.rounds) == 3  # the invalid notebook never reaches the models
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Submissions"] == "4" and metrics["Needs review"] == "1"
-    assert metrics["Requests in flight (mean)"] == "1.67" and metrics["Servers healthy"] == "4/4"
+    summary = json.loads((out_dir / "summary.json").read_text())  # request time over this run's wall time
+    assert metrics["Requests in flight (mean)"] == f"{summary['inference']['overlap']:.2f}"
+    assert metrics["Servers healthy"] == "4/4"
     table = at.dataframe[0].value
     assert list(table["submission"]) == ["errors_sales_analysis", "good_sales_analysis",
                                          "incomplete_sales_analysis", "not_a_notebook"]
@@ -83,6 +89,32 @@ def test_upload_notebooks():
     assert list(at.dataframe[0].value["submission"]) == ["alice", "bob"]
     assert list(at.dataframe[0].value["status"]) == ["graded", "invalid"]
     assert len(fake.rounds) == 1
+
+
+def test_a_grading_stopped_by_an_earlier_run_of_the_page_is_shown(out_dir):
+    """Stop (test_webui_browser.py presses it) makes Streamlit start a new run of the page and stop the one
+    grading; that run leaves its outcome in the session's GradingJob, which the new run shows."""
+    stop = threading.Event()
+
+    def stop_after_the_first(p):
+        if p.done == 1:
+            stop.set()
+
+    batch = grade_batch(sorted(NOTEBOOKS.glob("*.ipynb")), load_rubric(EXAMPLES / "rubric.yaml"),
+                        FakeGradingClient(), out_dir, progress=stop_after_the_first, stop=stop)
+    assert batch.stopped and len(batch.graded) == 1
+    job = SimpleNamespace(stop=threading.Event(), done=threading.Event(), error=None, batch={
+        "results": batch.results, "summary": batch.summary, "out_dir": str(out_dir), "graded": batch.graded,
+        "resumed": [], "not_graded": batch.not_graded, "stopped": True})
+    job.done.set()
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.session_state["client"] = FakeGradingClient()
+    at.session_state["grading"] = job
+    at.run()
+    assert not at.exception and job.stop.is_set() and "grading" not in at.session_state
+    assert at.warning[0].value.startswith("Grading was stopped: 1 graded, 3 not graded (good_sales_analysis, "
+                                          "incomplete_sales_analysis, not_a_notebook). Press Grade")
+    assert {m.label: m.value for m in at.metric}["Submissions"] == "1"
 
 
 def test_invalid_rubric_is_reported():

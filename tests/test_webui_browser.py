@@ -2,7 +2,8 @@
 (the session's ``tiny_cluster``: what the page shows is tested, not what a model writes; the grading runs
 the whole pipeline, KV handoffs included, in seconds). Upload a notebook, press Grade, read its grade on
 the page; then open the cluster dashboard and find that grading's requests in its charts. Screenshots of both pages are saved
-under the test's tmp dir (the paths are printed).
+under the test's tmp dir (the paths are printed). Then upload two notebooks, press Grade, and Stop while
+both models are generating: the page says so within seconds and the servers' slots are free again.
 
 Needs Chromium at /usr/bin/chromium (Debian: ``apt-get install chromium``; ``.ci/run`` installs it) and the
 ``playwright`` Python package (the ``test`` extra; no ``playwright install``: it drives that Chromium).
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "examples" / "notebooks" / "good_sales_analysis.ipynb"
+CALIBRATION = ROOT / "examples" / "notebooks" / "calibration"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -54,9 +57,10 @@ def sync_playwright():
     return sync_playwright
 
 
-@pytest.fixture
-def webui(tiny_cluster, tmp_path):
-    """``python -m disaggregated_inference.webui`` on the tiny session cluster's config; yields its URL."""
+@pytest.fixture(scope="module")
+def webui(tiny_cluster, tmp_path_factory):
+    """``python -m disaggregated_inference.webui`` on the tiny session cluster's config; yields (its URL, its --out folder)."""
+    tmp_path = tmp_path_factory.mktemp("webui")
     config_file = tmp_path / "cluster.json"
     config_file.write_text(json.dumps(tiny_cluster.config, indent=2))
     log_path = tmp_path / "webui.log"
@@ -68,7 +72,7 @@ def webui(tiny_cluster, tmp_path):
                                 cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = _wait_for_url(proc, log_path)
-        yield url
+        yield url, tmp_path / "out"
     finally:
         _stop(proc)
         print(f"--- web interface log ({log_path}) ---\n" + log_path.read_text(errors="replace")[-4000:])
@@ -109,49 +113,15 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(10)
 
 
-def test_grade_a_notebook_then_read_its_requests_on_the_dashboard(sync_playwright, webui, tmp_path):
+@contextmanager
+def browser_page(sync_playwright, tmp_path):
+    """A page of a headless Chromium; a screenshot in ``tmp_path`` if the test fails."""
     with tempfile.TemporaryDirectory(prefix="chromium-profile-") as profile, sync_playwright() as pw:
         context = pw.chromium.launch_persistent_context(profile, executable_path=str(CHROMIUM), headless=True,
                                                         args=CHROMIUM_ARGS, viewport={"width": 1400, "height": 1000})
         page = context.new_page()
         try:
-            page.goto(webui, timeout=START_TIMEOUT * 1000)
-            page.get_by_text("Business analytics notebook grader").wait_for(timeout=START_TIMEOUT * 1000)
-            # the pages by name; the sidebar's health catches up by itself (no click); no Deploy menu
-            nav = page.get_by_test_id("stSidebarNav").inner_text()
-            assert "Grade notebooks" in nav and "Cluster dashboard" in nav and "app" not in nav.split()
-            _wait_for_sidebar_health(page, "4/4")
-            assert not page.get_by_text("Deploy", exact=True).count()
-
-            page.get_by_text("Upload notebooks", exact=True).click()
-            uploader = page.locator('[data-testid="stFileUploader"] input[type="file"]')
-            uploader.wait_for(state="attached", timeout=60_000)
-            uploader.set_input_files(str(NOTEBOOK))
-            # listed under the uploader (the chip shows a shortened name; its title is the whole one)
-            page.locator(f'[data-testid="stFileChipName"][title="{NOTEBOOK.name}"]').wait_for(timeout=60_000)
-
-            grade = page.get_by_role("button", name="Grade", exact=True)
-            deadline = time.monotonic() + 60
-            while not grade.is_enabled():  # enabled once the rerun after the upload has drawn the page
-                assert time.monotonic() < deadline, "the Grade button stayed disabled after the upload"
-                page.wait_for_timeout(500)
-            grade.click()
-
-            detail = _wait_for_result(page)
-            text = detail.inner_text()
-            assert "good_sales_analysis" in text
-            score = re.search(r"Score: (\d+(?:\.\d+)?) / (\d+(?:\.\d+)?)", text)
-            assert score, f"no score in the report:\n{text[:2000]}"
-            assert 0 <= float(score.group(1)) <= float(score.group(2))
-            status = re.search(r"Status: (\w+)", text)
-            assert status and status.group(1) in ("graded", "needs_review"), text[:2000]
-            # and in the results' header: one submission graded
-            assert page.get_by_test_id("stMetric").filter(has_text="Submissions").inner_text().split()[-1] == "1"
-            _screenshot(page, tmp_path / "grade-page.png")
-
-            page.get_by_role("link", name="Cluster dashboard").click()
-            _check_dashboard(page, tmp_path / "out" / "good_sales_analysis.json")
-            _screenshot(page, tmp_path / "dashboard.png")
+            yield page
         except BaseException:
             shot = tmp_path / "webui-failure.png"
             try:
@@ -162,6 +132,91 @@ def test_grade_a_notebook_then_read_its_requests_on_the_dashboard(sync_playwrigh
             raise
         finally:
             context.close()
+
+
+def upload_and_grade(page, url: str, notebooks: list[Path]) -> None:
+    """Open the grader, upload ``notebooks``, press Grade."""
+    page.goto(url, timeout=START_TIMEOUT * 1000)
+    page.get_by_text("Business analytics notebook grader").wait_for(timeout=START_TIMEOUT * 1000)
+    page.get_by_text("Upload notebooks", exact=True).click()
+    uploader = page.locator('[data-testid="stFileUploader"] input[type="file"]')
+    uploader.wait_for(state="attached", timeout=60_000)
+    uploader.set_input_files([str(p) for p in notebooks])
+    for notebook in notebooks:  # listed under the uploader (the chip shows a shortened name; its title the whole)
+        page.locator(f'[data-testid="stFileChipName"][title="{notebook.name}"]').wait_for(timeout=60_000)
+    grade = page.get_by_role("button", name="Grade", exact=True)
+    deadline = time.monotonic() + 60
+    while not grade.is_enabled():  # enabled once the rerun after the upload has drawn the page
+        assert time.monotonic() < deadline, "the Grade button stayed disabled after the upload"
+        page.wait_for_timeout(500)
+    grade.click()
+
+
+def test_grade_a_notebook_then_read_its_requests_on_the_dashboard(sync_playwright, webui, tmp_path):
+    url, out = webui
+    with browser_page(sync_playwright, tmp_path) as page:
+        page.goto(url, timeout=START_TIMEOUT * 1000)
+        page.get_by_text("Business analytics notebook grader").wait_for(timeout=START_TIMEOUT * 1000)
+        # the pages by name; the sidebar's health catches up by itself (no click); no Deploy menu
+        nav = page.get_by_test_id("stSidebarNav").inner_text()
+        assert "Grade notebooks" in nav and "Cluster dashboard" in nav and "app" not in nav.split()
+        _wait_for_sidebar_health(page, "4/4")
+        assert not page.get_by_text("Deploy", exact=True).count()
+
+        upload_and_grade(page, url, [NOTEBOOK])
+        detail = _wait_for_result(page)
+        text = detail.inner_text()
+        assert "good_sales_analysis" in text
+        score = re.search(r"Score: (\d+(?:\.\d+)?) / (\d+(?:\.\d+)?)", text)
+        assert score, f"no score in the report:\n{text[:2000]}"
+        assert 0 <= float(score.group(1)) <= float(score.group(2))
+        status = re.search(r"Status: (\w+)", text)
+        assert status and status.group(1) in ("graded", "needs_review"), text[:2000]
+        # and in the results' header: one submission graded
+        assert page.get_by_test_id("stMetric").filter(has_text="Submissions").inner_text().split()[-1] == "1"
+        _screenshot(page, tmp_path / "grade-page.png")
+
+        page.get_by_role("link", name="Cluster dashboard").click()
+        _check_dashboard(page, out / "good_sales_analysis.json")
+        _screenshot(page, tmp_path / "dashboard.png")
+
+
+def test_stop_grading_cancels_the_requests_in_a_browser(sync_playwright, webui, tiny_cluster, tmp_path):
+    """Stop while both notebooks' answers are being generated: the page says what was not graded within
+    seconds, and the decode servers drop the cancelled jobs (their slots are free again)."""
+    servers = {p.entry.name: p.url for p in tiny_cluster.processes}
+
+    def busy() -> dict:
+        return {name: requests.get(url + "/health", timeout=10).json()["slots"]["busy"]
+                for name, url in servers.items()}
+
+    notebooks = [CALIBRATION / "decent.ipynb", CALIBRATION / "weak.ipynb"]
+    with browser_page(sync_playwright, tmp_path) as page:
+        upload_and_grade(page, webui[0], notebooks)
+        stop = page.get_by_role("button", name="Stop grading", exact=True)
+        stop.wait_for(timeout=60_000)
+        deadline = time.monotonic() + GRADE_TIMEOUT
+        while True:  # decoding on both models, no prompt in prefill (a /prefill runs to its end)
+            now = busy()
+            if all(now[f"local-decode-{m}"] for m in ("qwen", "gpt-oss")) and not any(
+                    now[f"local-prefill-{m}"] for m in ("qwen", "gpt-oss")):
+                break
+            assert time.monotonic() < deadline, f"the servers never decoded both notebooks' requests: {now}"
+            page.wait_for_timeout(300)
+        stop.click()
+        pressed = time.monotonic()
+        page.get_by_text("Grading was stopped").wait_for(timeout=30_000)
+        shown = time.monotonic() - pressed
+        text = page.inner_text("body")
+        freed = None
+        while time.monotonic() - pressed < 30:
+            if not any(busy().values()):
+                freed = time.monotonic() - pressed
+                break
+            time.sleep(0.2)
+    assert shown < 10, f"the page said it had stopped {shown:.1f} s after Stop"
+    assert freed is not None and freed < 10, f"slots still busy 30 s after Stop: {busy()}"
+    assert "not graded" in text and "Press Grade to grade the rest" in text
 
 
 def _screenshot(page, path: Path) -> None:

@@ -7,7 +7,11 @@ attention, attention sinks). ``tiny_gguf(arch)`` writes a GGUF of that architect
 metadata keys and tensor names/shapes that llama.cpp's loader (the version vendored in
 llama-cpp-python 0.3.36) requires, random weights of tiny dimensions, and the real tokenizer
 block of the shipped SmolLM2 GGUF (vocabulary, merges, special ids, chat template), with the
-``gguf`` package llama.cpp's own converter uses. A file takes about a second to write and is
+``gguf`` package llama.cpp's own converter uses. ``vocab="harmony"`` adds gpt-oss's harmony
+special tokens to that vocabulary (control tokens, ``<|return|>`` the end-of-sequence token, as
+in a gpt-oss GGUF) and a harmony chat template: ``GPT_OSS_HARMONY`` is the production
+architecture speaking gpt-oss's format, ``LLAMA_HARMONY`` a llama that does (for the engines that
+run llama only), recognised by its template. A file takes about a second to write and is
 cached under ``$DISAGG_CACHE_DIR/tiny-models`` (default ``~/.cache/disaggregated-inference``),
 named by a hash of everything that goes into it.
 
@@ -19,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +46,7 @@ class TinyShape:
     context_length: int = 4096
     expert_type: str = "f16"  # gpt-oss: "mxfp4", the experts' type in llama.cpp's conversion of gpt-oss
     seed: int = 0
+    vocab: str = "smollm2"    # or "harmony": SmolLM2's plus gpt-oss's harmony tokens and template
 
     def kv_bytes_per_token(self, layers: int | None = None, bytes_per_value: int = 2) -> int:
         """K and V of one token in ``layers`` layers (default all), at f16 by default."""
@@ -60,7 +65,26 @@ LLAMA = TinyShape(arch="llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, hea
                   n_expert_used=0, n_ff_exp=128)
 QWEN3MOE = TinyShape(arch="qwen3moe")
 GPT_OSS = TinyShape(arch="gpt-oss", n_swa=128, expert_type="mxfp4")
+GPT_OSS_HARMONY = replace(GPT_OSS, vocab="harmony")
+LLAMA_HARMONY = replace(LLAMA, vocab="harmony")
 SHAPES = {"llama": LLAMA, "qwen3moe": QWEN3MOE, "gpt-oss": GPT_OSS}
+
+# gpt-oss's special tokens of harmony (their ids in gpt-oss's o200k_harmony vocabulary in the comments); the tiny
+# vocabulary appends them after SmolLM2's 49,152 tokens, as control tokens
+HARMONY_TOKENS = ("<|return|>",     # 200002: ends a generation (the answer is complete)
+                  "<|constrain|>",  # 200003: the type of a tool call's arguments follows
+                  "<|channel|>",    # 200005: the message's channel follows
+                  "<|start|>",      # 200006: a message begins; its role follows
+                  "<|end|>",        # 200007: a message ends (not the generation)
+                  "<|message|>",    # 200008: the header ends, the text begins
+                  "<|call|>")       # 200012: ends a generation with a tool call
+# a harmony template of the tests' own: enough for a GGUF to say it speaks harmony (its markers), and to
+# render plain turns; the engines render harmony themselves (chat/harmony.py)
+HARMONY_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}<|start|>assistant<|channel|>final<|message|>{{ m['content'] }}<|end|>"
+    "{%- else -%}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}")
 
 
 def cache_dir() -> Path:
@@ -72,9 +96,13 @@ def tiny_gguf(arch: str | TinyShape) -> Path:
     """Path of the tiny GGUF for ``arch`` (a name in SHAPES or a TinyShape), written if not cached."""
     shape = SHAPES[arch] if isinstance(arch, str) else arch
     tokenizer_source = _tokenizer_source()
-    key = json.dumps({"v": GENERATOR_VERSION, "shape": asdict(shape), "tokenizer": tokenizer_source.name,
+    described = asdict(shape)
+    if shape.vocab == "smollm2":  # the files made before the field existed keep their names
+        del described["vocab"]
+    key = json.dumps({"v": GENERATOR_VERSION, "shape": described, "tokenizer": tokenizer_source.name,
                       "tokenizer_size": tokenizer_source.stat().st_size}, sort_keys=True)
-    path = cache_dir() / f"tiny-{shape.arch}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.gguf"
+    name = shape.arch if shape.vocab == "smollm2" else f"{shape.arch}-{shape.vocab}"
+    path = cache_dir() / f"tiny-{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.gguf"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -89,18 +117,29 @@ def _tokenizer_source() -> Path:
     return resolve_gguf("smollm2")
 
 
-def _copy_tokenizer(source: Path, writer) -> int:
-    """Copy every ``tokenizer.*`` key of ``source`` into ``writer``; returns the vocabulary size."""
+def _copy_tokenizer(source: Path, writer, vocab: str = "smollm2") -> int:
+    """Copy every ``tokenizer.*`` key of ``source`` into ``writer`` (with harmony's tokens, end of sequence and
+    template for ``vocab="harmony"``); returns the vocabulary size."""
     import gguf
 
     reader = gguf.GGUFReader(source)
     n_vocab = 0
+    n_source = len(reader.fields["tokenizer.ggml.tokens"].contents())
     for key, field in reader.fields.items():
         if not key.startswith("tokenizer."):
             continue
         value = field.contents()
         main = field.types[0]
         sub = field.types[-1] if main == gguf.GGUFValueType.ARRAY else None
+        if vocab == "harmony":
+            if key == "tokenizer.ggml.tokens":
+                value = list(value) + list(HARMONY_TOKENS)
+            elif key == "tokenizer.ggml.token_type":
+                value = list(value) + [gguf.TokenType.CONTROL] * len(HARMONY_TOKENS)
+            elif key == "tokenizer.ggml.eos_token_id":
+                value = n_source + HARMONY_TOKENS.index("<|return|>")
+            elif key == "tokenizer.chat_template":
+                value = HARMONY_TEMPLATE
         writer.add_key_value(key, value, main, sub_type=sub)
         if key == "tokenizer.ggml.tokens":
             n_vocab = len(value)
@@ -143,7 +182,7 @@ def _write(shape: TinyShape, tokenizer_source: Path, out: Path) -> None:
         writer.add_rope_scaling_orig_ctx_len(shape.context_length)
     else:
         raise ValueError(f"no tiny generator for architecture {arch!r}")
-    n_vocab = _copy_tokenizer(tokenizer_source, writer)
+    n_vocab = _copy_tokenizer(tokenizer_source, writer, shape.vocab)
 
     def add(name: str, *ne: int, dtype=np.float16, scale: float = 0.1, value: float | None = None):
         shape_np = tuple(reversed(ne))  # gguf's ne0 is numpy's last axis
@@ -269,3 +308,57 @@ def write_ollama_store(root: Path) -> dict[str, str]:
             "config": {"mediaType": CONFIG_TYPE, **blob(json.dumps(config).encode())}, "layers": layers}))
         digests[name] = model["digest"]
     return digests
+
+
+def tiny_cluster_config(parallel: int = 2, n_ctx: int = 4096, n_threads: int = 1) -> dict:
+    """``config_current.json``'s cluster (a prefill and a decode server per model, the same names and
+    aliases) with the tiny models in place of the packaged ones: qwen3moe as "qwen", gpt-oss as
+    "gpt-oss", ``parallel`` slots per server. Their answers are random text; the servers are real."""
+    data = json.loads((Path(__file__).resolve().parents[1] / "config_current.json").read_text())
+    for key, arch in (("qwen", "qwen3moe"), ("gpt-oss", "gpt-oss")):
+        data["models"][key].update(model=str(tiny_gguf(arch)), n_ctx=n_ctx, parallel=parallel, n_threads=n_threads)
+    return data
+
+
+# -- real chat templates, as data ---------------------------------------------------------------
+
+def llama_cpp_template(name: str) -> str:
+    """A chat template from ``models/templates/`` of the llama.cpp that the installed llama-cpp-python vendors
+    (``openai-gpt-oss-120b.jinja``, ``Qwen3-Coder.jinja``, ...), read from that version's source distribution,
+    which pip downloads once into the cache (as data, like a model file: nothing of it is in the repository).
+    Raises ``LookupError`` when it cannot be had (no index reachable)."""
+    from importlib.metadata import version
+
+    target = cache_dir().parent / "llama-cpp-templates" / version("llama-cpp-python") / name
+    if not target.is_file():
+        _extract_templates(target.parent, version("llama-cpp-python"))
+    if not target.is_file():
+        raise LookupError(f"llama-cpp-python's source distribution has no models/templates/{name}")
+    return target.read_text()
+
+
+def _extract_templates(dest: Path, llama_version: str, tarball: Path | None = None) -> None:
+    import subprocess
+    import sys
+    import tarfile
+    import tempfile
+
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        if tarball is None:
+            done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                                   "--quiet", "-d", tmp, f"llama-cpp-python=={llama_version}"],
+                                  capture_output=True, text=True, timeout=1800)
+            found = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+            if done.returncode or not found:
+                raise LookupError(f"pip could not download llama-cpp-python {llama_version}'s source: "
+                                  f"{(done.stderr or done.stdout).strip()[-300:]}")
+            tarball = found[0]
+        with tarfile.open(tarball) as tar:
+            for member in tar.getmembers():
+                if member.isfile() and "/vendor/llama.cpp/models/templates/" in member.name:
+                    data = tar.extractfile(member).read()
+                    out = dest / Path(member.name).name
+                    part = out.with_suffix(f".{os.getpid()}.tmp")
+                    part.write_bytes(data)
+                    part.replace(out)

@@ -7,10 +7,10 @@ docs/ARCHITECTURE.md, "Adding an engine", walks through writing one.
 """
 from __future__ import annotations
 
-from .base import Backend, BatchedBackend, Event, ModelSettings, Prefilled, Prompt, Received, Sampling, settings_class
+from .base import Backend, BatchedBackend, ChatSettings, Event, ModelSettings, Prefilled, Prompt, Received, Sampling, settings_class
 from .options import option
 from .registry import ENTRY_POINT_GROUP, backend_class, create, is_registered, names, register
 
-__all__ = ["Backend", "BatchedBackend", "Event", "ModelSettings", "Prefilled", "Prompt", "Received", "Sampling",
+__all__ = ["Backend", "BatchedBackend", "ChatSettings", "Event", "ModelSettings", "Prefilled", "Prompt", "Received", "Sampling",
            "settings_class", "option", "ENTRY_POINT_GROUP", "backend_class", "create", "is_registered", "names",
            "register"]

@@ -8,8 +8,14 @@ Four verbs, each one a backend can honestly answer:
 - ``generate(prompt, sampling)``: the whole thing on this machine (fallback).
 - ``fingerprint()``: what a bundle from this backend must match to be imported.
 
-Tokenization is part of ``prefill``: Ollama has no public tokenizer endpoint, so
-a separate ``tokenize`` verb would be one that backend could not fill.
+``tokenize(prompt)`` gives a prompt's token ids where the engine has its own
+tokenizer (llama.cpp, and MLX and transformers through the GGUF's vocabulary):
+the server calls it on the request's own thread, before the request waits for
+the model, and passes the ids back in ``prompt.tokens``, so that rendering the
+chat template and tokenizing, work that a prompt's size decides, never holds the
+model's thread. Ollama has no public tokenizer endpoint: its ``tokenize`` answers
+None and its verbs take the prompt's text, as every verb also does when called
+with an untokenized prompt (tests, tools).
 
 What a backend hands over is declared by ``handoff_kind``: ``llama_seq_state``
 (the KV cache itself moves), ``neutral_kv`` (the K/V arrays in an engine-neutral
@@ -23,6 +29,12 @@ as NAME, so one call takes any engine's options.
 
 A backend that batches (llama.cpp) is a ``BatchedBackend``: the server's owner
 thread drives its requests as generators and steps them together (``evaluate``).
+
+Engines that render chat prompts themselves from a GGUF (llama.cpp, MLX,
+transformers) read them and their answers through the model's chat format
+(``chat/``): their settings are ``ChatSettings`` (the ``chat_format`` option),
+and a generation yields the answer, the reasoning and the tool calls as
+separate ``Event``s.
 """
 from __future__ import annotations
 
@@ -30,6 +42,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Iterator
 
+from .. import chat
 from ..kv.canary import CanaryPolicy
 from ..kv.receive import Received  # noqa: F401  (part of the interface: what decode() gets)
 from . import registry
@@ -47,15 +60,17 @@ class ModelSettings:
     an option of that engine is an attribute like the shared ones: ``settings.flash_attn``.
     """
 
-    backend: str = option(DEFAULT_BACKEND, "the engine: llama_cpp, ollama, mlx, transformers or a plugin's name")
+    backend: str = option(DEFAULT_BACKEND, "the engine: llama_cpp, ollama, mlx, transformers, vllm or a plugin's "
+                                                  "name")
     model: str = option("smollm2", "what the engine loads: smollm2, gemma3-270m, a GGUF path, ollama:NAME (a GGUF "
                                    "Ollama pulled), or the model name the ollama backend asks its daemon for")
     name: str = ""  # the public name (the config's key), e.g. "qwen"; no option: the config sets it
     n_ctx: int = option(4096, "context tokens per request", low=1)
     n_threads: int | None = option(None, "CPU threads the engine computes with (unset: its own default; engines "
                                          "that compute elsewhere ignore it)", low=1)
-    parallel: int = option(4, "requests served at once (llama.cpp: slots batched together each step; Ollama: "
-                              "requests in flight; mlx and transformers serve one at a time)", low=1)
+    parallel: int = option(4, "requests served at once (llama.cpp: slots batched together each step; vLLM: its "
+                              "max_num_seqs; Ollama: requests in flight; mlx and transformers serve one at a time)",
+                           low=1)
 
     def __new__(cls, *args, **kwargs):
         if cls is ModelSettings:
@@ -74,6 +89,15 @@ class ModelSettings:
         return settings_cls(**known)
 
 
+@dataclass(frozen=True)
+class ChatSettings(ModelSettings):
+    """The settings of an engine that renders chat prompts itself and reads its answers by the chat format."""
+
+    chat_format: str = option("auto", "how conversations are written and answers read (chat/): auto (harmony for "
+                                      "gpt-oss, qwen3_coder for a template with Qwen3-Coder's tool calls, else "
+                                      "template), harmony, qwen3_coder or template", choices=chat.FORMAT_NAMES)
+
+
 def settings_class(backend: str) -> type:
     """The settings class of the engine registered as ``backend``; ``ModelSettings`` for an unregistered name."""
     return registry.backend_class(backend).Settings if registry.is_registered(backend) else ModelSettings
@@ -81,12 +105,19 @@ def settings_class(backend: str) -> type:
 
 @dataclass(frozen=True)
 class Prompt:
-    """Either ``text`` (rendered as one user turn unless ``raw``) or chat ``messages``."""
+    """Either ``text`` (rendered as one user turn unless ``raw``) or chat ``messages`` (chat/conversation.py's
+    shapes); the ``tools`` offered and the ``reasoning_effort`` asked for are rendered with them. With
+    ``tokens`` once the server has tokenized it (``Backend.tokenize``: the ids and the stop strings its chat
+    format adds, ``stops``)."""
 
     text: str | None = None
     messages: tuple | None = None
     raw: bool = False
     system: str | None = None
+    tools: chat.Tools | None = None
+    reasoning_effort: str | None = None  # low, medium or high: for formats with a reasoning channel
+    tokens: tuple | None = None
+    stops: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -101,6 +132,8 @@ class Sampling:
     # never end at an end-of-generation token: exactly max_new_tokens (or a stop string), for
     # benchmarks, as llama.cpp's server and vLLM offer; backends without it refuse the request
     ignore_eos: bool = False
+    tools: chat.Tools | None = None     # what the answer may call (parsed out of it; a grammar where needed)
+    reasoning_budget: int | None = None  # reasoning tokens before the model is moved on to its answer
 
 
 @dataclass
@@ -115,10 +148,22 @@ class Prefilled:
 
 @dataclass
 class Event:
-    """One step of a generation: a text ``piece``, or the final ``metrics``."""
+    """One step of a generation: a ``piece`` of the answer, of the ``reasoning``, a ``tool_call``
+    (``{"name", "arguments"}``, the arguments as JSON text), or the final ``metrics``."""
 
     piece: str | None = None
     metrics: dict | None = None
+    reasoning: str | None = None
+    tool_call: dict | None = None
+
+    @classmethod
+    def of(cls, part: "chat.Part") -> "Event":
+        """The event of a chat format's output part."""
+        if part.kind == chat.REASONING:
+            return cls(reasoning=part.value)
+        if part.kind == chat.TOOL_CALL:
+            return cls(tool_call=part.value.as_dict())
+        return cls(piece=part.value)
 
     @property
     def done(self) -> bool:
@@ -157,36 +202,63 @@ def rate(n, seconds: float):
     return round(n / seconds, 2) if n and seconds > 0 else None
 
 
-def check_fits(n_prompt: int, n_ctx: int, what: str = "this server's context") -> None:
+def check_fits(n_prompt: int, n_ctx: int, what: str = "this server's context", field: str = "prompt") -> None:
     """Refuse an empty prompt (400) or one that leaves no room in a context of ``n_ctx`` tokens."""
     from ..errors import BadRequest, ContextOverflow
 
     if n_prompt < 1:
-        raise BadRequest("the prompt has no tokens", field="prompt")
+        raise BadRequest("the prompt has no tokens", field=field)
     if n_prompt >= n_ctx:
-        raise ContextOverflow(f"prompt has {n_prompt} tokens; {what} holds {n_ctx}", field="prompt")
+        raise ContextOverflow(f"prompt has {n_prompt} tokens; {what} holds {n_ctx}", field=field)
 
 
-def gguf_prompt_tokens(prompt: Prompt, formatter, tokenize) -> tuple[list[int], tuple]:
-    """Token ids of a prompt and the stop strings its chat template adds, for the backends that read a
-    GGUF's vocabulary: ``formatter`` is its chat template (llama-cpp-python's ``Jinja2ChatFormatter``,
-    or None when it has none), ``tokenize(data: bytes, add_bos, special)`` its tokenizer."""
+def check_bound(data: bytes, field: str, n_ctx: int | None, longest_token: int) -> None:
+    """Refuse (400 ``context_overflow``) text that cannot fit a context of ``n_ctx`` tokens whatever its
+    tokenization: no token covers more than ``longest_token`` bytes, so ``data`` needs at least
+    len / longest tokens. Cheap, and before the tokenizer, whose time grows faster than the text (20,000
+    chat turns took 28 s there; their 580 KB are 7,000 tokens at least, by this bound)."""
+    from ..errors import ContextOverflow
+
+    if not n_ctx or longest_token <= 0:
+        return
+    least = -(-len(data) // longest_token)
+    if least >= n_ctx:
+        raise ContextOverflow(f"'{field}' is {len(data)} bytes as the model reads it: at least {least} tokens "
+                              f"(no token of this model covers more than {longest_token} bytes), and this server's "
+                              f"context holds {n_ctx}", field=field)
+
+
+def gguf_prompt_tokens(prompt: Prompt, chat_format, tokenize, n_ctx: int | None = None,
+                       longest_token: int = 0) -> tuple[list[int], tuple, str]:
+    """Token ids of a prompt, the stop strings its chat template adds, and the name of the chat format that
+    rendered it (``raw`` for a prompt sent as written), for the backends that read a GGUF's vocabulary:
+    ``chat_format`` is the model's (chat/, or None when it has none), ``tokenize(data: bytes, add_bos,
+    special)`` its tokenizer. A prompt already tokenized (``prompt.tokens``) is given back as it is. With
+    ``n_ctx`` and ``longest_token`` (the most bytes one token covers), text that cannot fit is refused
+    before it is tokenized (``check_bound``)."""
     from ..errors import BadRequest
 
-    if prompt.raw or (formatter is None and prompt.messages is None):
+    as_written = prompt.raw or (chat_format is None and prompt.messages is None)
+    if prompt.tokens is not None:
+        return list(prompt.tokens), tuple(prompt.stops), chat.RAW.name if as_written else chat_format.name
+    if as_written:
+        if prompt.tools is not None:
+            raise BadRequest("'tools' need a chat prompt: send 'messages' (or a prompt that is not raw)",
+                             field="tools")
         text = prompt.text if prompt.system is None else f"{prompt.system}\n\n{prompt.text}"
-        return tokenize(text.encode("utf-8"), add_bos=True, special=False), ()
-    if formatter is None:
+        data = text.encode("utf-8")
+        check_bound(data, "prompt", n_ctx, longest_token)
+        return tokenize(data, add_bos=True, special=False), (), chat.RAW.name
+    if chat_format is None:
         raise BadRequest("this model has no chat template; send 'prompt' with 'raw': true", field="messages")
     messages = list(prompt.messages or ({"role": "user", "content": prompt.text},))
     if prompt.system:
         messages.insert(0, {"role": "system", "content": prompt.system})
-    try:
-        rendered = formatter(messages=messages)
-    except Exception as exc:  # the template's own raise_exception, or a jinja error
-        raise BadRequest(f"chat template rejected the messages: {exc}", field="messages") from None
-    tokens = tokenize(rendered.prompt.encode("utf-8"), add_bos=not rendered.added_special, special=True)
-    return tokens, tuple(s for s in rendered.stop if s)
+    rendered = chat_format.render(messages, tools=prompt.tools, reasoning_effort=prompt.reasoning_effort)
+    data = rendered.text.encode("utf-8")
+    check_bound(data, "messages" if prompt.messages is not None else "prompt", n_ctx, longest_token)
+    tokens = tokenize(data, add_bos=rendered.add_bos, special=True)
+    return tokens, rendered.stops, chat_format.name
 
 
 class Backend(abc.ABC):
@@ -196,7 +268,7 @@ class Backend(abc.ABC):
     request's ``prefill``/``decode``/``generate`` on one of ``slots`` worker threads
     (a ``BatchedBackend`` steps them on the owner thread instead), and ``close`` at
     the end. HTTP threads call only what answers from memory: ``fingerprint``,
-    ``describe``, ``served_model``, ``receive_room`` and ``convert``.
+    ``describe``, ``served_model``, ``receive_room``, ``convert`` and ``tokenize``.
     """
 
     name: ClassVar[str]
@@ -253,6 +325,16 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompt: Prompt, sampling: Sampling, cancelled: Cancelled) -> Iterator[Event]:
         """The whole request on this machine (the decode-only path and the fallback)."""
+
+    def tokenize(self, prompt: Prompt) -> tuple[list[int], tuple] | None:
+        """The prompt's token ids and the stop strings its chat template adds (a prompt already tokenized:
+        its own), or None for an engine that tokenizes behind its own API (the default).
+
+        Called on a request's HTTP thread, beside the model's work on the owner thread: it must only read
+        the vocabulary and the template (llama.cpp's tokenizer does; its own server tokenizes on its HTTP
+        threads too). A prompt that cannot fit ``n_ctx`` by a bound cheaper than tokenizing it should be
+        refused before tokenizing (``check_bound``): the tokenizer's time grows with the text."""
+        return None
 
     def convert(self, prefilled: Prefilled, kind: str) -> Prefilled | None:
         """``prefilled`` as the bundle kind ``kind`` a decode side asked for (``kv_kind``), or None when

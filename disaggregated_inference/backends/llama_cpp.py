@@ -5,7 +5,9 @@ KV with the per-sequence state API; decode imports it and continues from the
 last prompt token, so the decode machine evaluates one prompt token instead of
 N. The monolithic ``generate`` evaluates the prompt the same way (all but the
 last, then the last), so the fallback and the handoff give the same greedy text
-on full-attention models.
+on full-attention models. Decode also continues another engine's ``neutral_kv``
+(vLLM's, transformers', MLX's), written as this context's own state on import
+(``kv/convert.py``: K's head-dim order, the cache type, V transposed or not).
 
 **Slots and continuous batching.** One context holds ``parallel`` sequences,
 each in a KV stream of its own of ``n_ctx`` cells (so a request's numerics do
@@ -22,6 +24,13 @@ top-p, temperature, seeded distribution, or greedy).
 a request whose prompt starts with the same tokens (a shared system prompt, a
 rubric, an earlier chat turn) takes that slot and evaluates only the rest, as
 llama.cpp's server does with ``cache_prompt``. See ``_acquire``.
+
+**Chat formats.** Prompts are rendered and answers read by the model's chat
+format (chat/): the token loop (``_continue``) feeds each sampled token's text
+to the request's ``chat.Output`` and yields what it reads (answer, reasoning,
+tool calls); the format decides which tokens end the generation, and when the
+loop feeds the model text itself (a reasoning budget spent) or starts the
+grammar of a schema that constrains the answer only.
 """
 from __future__ import annotations
 
@@ -36,6 +45,7 @@ from dataclasses import dataclass, replace
 from importlib.metadata import version as package_version
 from typing import Callable, Iterator
 
+from .. import chat
 from ..kv import fingerprint as fp
 from ..kv import llama_state
 from ..kv import buffers
@@ -43,8 +53,10 @@ from ..kv.buffers import HUGE_THRESHOLD, sendable
 from ..kv.bundle import KIND_LLAMA_SEQ_STATE, KIND_NEUTRAL_KV, KIND_TOKEN_IDS
 from ..errors import BadRequest, BundleError, FingerprintMismatch
 from .gguf import resolve_gguf
-from .base import (BatchedBackend, Eval, Event, ModelSettings, Prefilled, Prompt, Received, Sampling, check_fits,
+from .gguf_vocab import longest_token_bytes
+from .base import (BatchedBackend, ChatSettings, Eval, Event, Prefilled, Prompt, Received, Sampling, check_fits,
                    gguf_prompt_tokens, rate)
+from .gguf_vocab import chat_format_of, end_tokens
 from .options import option
 
 # A reused prefix counts only from this many tokens on (below it the lowest free slot is worth more:
@@ -57,22 +69,8 @@ PREFIX_MIN_TOKENS = 64
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 
 
-# Chat templates for architectures whose GGUF files often lack one (the packaged Gemma 3 270M
-# does): the model family's documented turn format. A template in the GGUF always wins.
-FALLBACK_TEMPLATES = {
-    "gemma3": (
-        "{{ bos_token }}"
-        "{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\n\n' %}"
-        "{% set turns = messages[1:] %}{% else %}{% set first = '' %}{% set turns = messages %}{% endif %}"
-        "{% for message in turns %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-        "<start_of_turn>{{ role }}\n{{ (first if loop.first else '') + message['content'] | trim }}<end_of_turn>\n"
-        "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
-    ),
-}
-
-
 @dataclass(frozen=True)
-class LlamaCppSettings(ModelSettings):
+class LlamaCppSettings(ChatSettings):
     n_batch: int = option(512, "prompt tokens evaluated per step (the chunk a long prompt is cut into)", low=1)
     n_gpu_layers: int = option(0, "layers offloaded to the GPU (-1: all of them)")
     flash_attn: bool = option(True, "flash attention (a quantized V cache needs it)")
@@ -87,7 +85,7 @@ class LlamaCppSettings(ModelSettings):
 class LlamaCppBackend(BatchedBackend):
     name = "llama_cpp"
     handoff_kind = KIND_LLAMA_SEQ_STATE
-    accepts = (KIND_LLAMA_SEQ_STATE, KIND_TOKEN_IDS)
+    accepts = (KIND_LLAMA_SEQ_STATE, KIND_NEUTRAL_KV, KIND_TOKEN_IDS)
     Settings = LlamaCppSettings
     ignores_eos = True
 
@@ -101,9 +99,10 @@ class LlamaCppBackend(BatchedBackend):
         self.model = self.ctx = self._batch = None
         self.model_path = None
         self._fingerprint: dict = {}
-        self._formatter = None
-        self._template_source = None
+        self.chat = None  # the model's chat format (chat/): None when it has no template and no format of its own
+        self._longest_token = 0  # bytes; bounds a prompt's token count from below (base.check_bound)
         self._eog: list[int] | None = None
+        self._ends: dict = {}  # chat format name -> the token ids that end its generations
         self._threads: int | None = None  # CPU compute threads, named in canaries (kv/canary.py)
         self._free: list[int] = []
         self._cached: dict[int, list[int]] = {}  # free slot -> the token ids its KV holds, from position 0
@@ -116,7 +115,6 @@ class LlamaCppBackend(BatchedBackend):
     def load(self, progress: Callable[[str], None] = lambda message: None) -> None:
         import llama_cpp
         from llama_cpp import _internals
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         s = self.settings
         for key in ("type_k", "type_v"):
@@ -153,19 +151,12 @@ class LlamaCppBackend(BatchedBackend):
         self._batch = llama_cpp.llama_batch_init(self._batch_capacity, 0, 1)
         self._free = list(range(self.slots - 1, -1, -1))
         self._cached = {}
+        self._longest_token = longest_token_bytes(self.model.vocab, self.model.n_vocab())
         meta = self.model.metadata()
-        template = meta.get("tokenizer.chat_template")
-        self._template_source = "gguf" if template else None
-        if not template and meta.get("general.architecture") in FALLBACK_TEMPLATES:
-            template = FALLBACK_TEMPLATES[meta["general.architecture"]]
-            self._template_source = f"builtin:{meta['general.architecture']}"
-        if template:
-            eos, bos = self.model.token_eos(), self.model.token_bos()
-            self._formatter = Jinja2ChatFormatter(
-                template=template,
-                eos_token=self.model.token_get_text(eos) if eos != -1 else "",
-                bos_token=self.model.token_get_text(bos) if bos != -1 else "",
-            )
+        eos, bos = self.model.token_eos(), self.model.token_bos()
+        self.chat = chat_format_of(s.chat_format, meta, self.model.token_get_text(bos) if bos != -1 else "",
+                                   self.model.token_get_text(eos) if eos != -1 else "")
+        self._ends = {}
         arch = meta.get("general.architecture")
         self._fingerprint = {
             "backend": self.name,
@@ -222,7 +213,8 @@ class LlamaCppBackend(BatchedBackend):
                 "n_vocab": self._fingerprint.get("n_vocab"), "prefix_cache": self._prefix_cache,
                 "deterministic": bool(self.settings.deterministic),
                 "library_version": self._fingerprint.get("library_version"),
-                "chat_template": self._template_source}
+                "chat_format": self.chat.name if self.chat is not None else None,
+                "chat_template": self.chat.source if self.chat is not None else None}
 
     def close(self) -> None:
         import llama_cpp
@@ -238,8 +230,15 @@ class LlamaCppBackend(BatchedBackend):
     # -- prompt -> tokens ------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> tuple[list[int], tuple]:
-        """Token ids of a prompt and the stop strings its chat template adds."""
-        return gguf_prompt_tokens(prompt, self._formatter, self.model.tokenize)
+        """Token ids of a prompt and the stop strings its chat template adds. Reads only the vocabulary
+        and the template: the server runs it on the request's thread, beside the model's steps (as
+        llama.cpp's own server tokenizes on its HTTP threads). Text that cannot fit the context is refused
+        before it is tokenized (``base.check_bound``)."""
+        return self.prompt_tokens(prompt)[:2]
+
+    def prompt_tokens(self, prompt: Prompt) -> tuple[list[int], tuple, str]:
+        """Token ids of a prompt, its template's stop strings and the chat format that rendered it."""
+        return gguf_prompt_tokens(prompt, self.chat, self.model.tokenize, self.settings.n_ctx, self._longest_token)
 
     def _check_fits(self, n_prompt: int) -> None:
         check_fits(n_prompt, self.settings.n_ctx)
@@ -287,6 +286,15 @@ class LlamaCppBackend(BatchedBackend):
             llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
         self._free.append(seq)
         self._free.sort(reverse=True)
+
+    def set_threads(self, threads: int) -> None:
+        """Compute with ``threads`` CPU threads from the next step on (the owner shares the machine's
+        cores between the servers on it: ``server/cores.py``). Canaries name the count in use."""
+        import llama_cpp
+
+        llama_cpp.llama_set_n_threads(self.ctx.ctx, threads, threads)
+        if self._threads is not None:
+            self._threads = threads
 
     def cached_prefixes(self) -> dict[int, int]:
         """Free slot -> how many prompt tokens of KV it holds for reuse (tests, diagnostics)."""
@@ -501,12 +509,32 @@ class LlamaCppBackend(BatchedBackend):
             raise RuntimeError("llama_state_seq_get_data wrote nothing")
         return llama_state.to_single_stream(memoryview(buf)[:written])
 
-    def import_state(self, seq: int, received: Received) -> float:
-        """Load a bundle's KV into sequence ``seq``; afterwards ``received.payload`` is dropped."""
+    def import_neutral(self, seq: int, received: Received) -> tuple[float, float]:
+        """Load a ``neutral_kv`` bundle (vLLM's, transformers', MLX's) into sequence ``seq``, written as this
+        context's own state first (kv/convert.py: checks, K's head-dim order, the cache type, V transposed
+        when flash attention is off); returns (the whole import's seconds, the conversion's)."""
+        from ..kv.convert import neutral_as_llama_state
+
+        started = time.perf_counter()
+        if self._fingerprint.get("n_swa"):
+            raise BundleError("this model has sliding-window layers: its llama.cpp state holds two caches, which "
+                              "a neutral_kv bundle does not carry; send llama_seq_state or token ids", field="kv")
+        s, f = self.settings, self._fingerprint
+        state = neutral_as_llama_state(received.meta.get("neutral"), received.payload, self.metadata(),
+                                       {"model_sha256": f["model_sha256"], "arch": f["arch"]},
+                                       n_kv_tokens=len(received.tokens) - 1, type_k=s.type_k, type_v=s.type_v,
+                                       v_trans=not s.flash_attn)
+        converted = time.perf_counter() - started
+        self.import_state(seq, received, state)
+        return time.perf_counter() - started, converted
+
+    def import_state(self, seq: int, received: Received, state=None) -> float:
+        """Load a bundle's KV (or ``state``, the llama.cpp state made from it) into sequence ``seq``;
+        afterwards ``received.payload`` is dropped."""
         import llama_cpp
 
         started = time.perf_counter()
-        payload = memoryview(received.payload).cast("B")
+        payload = memoryview(received.payload if state is None else state).cast("B")
         head, tail = self.receive_room()
         if self.slots > 1:
             # the conversion rewrites the state's first bytes, which the checksum may still be reading:
@@ -546,7 +574,7 @@ class LlamaCppBackend(BatchedBackend):
 
     def prefill(self, prompt: Prompt):
         t0 = time.perf_counter()
-        tokens, stops = self.tokenize(prompt)
+        tokens, stops, chat_name = self.prompt_tokens(prompt)
         tokenize_time = time.perf_counter() - t0
         self._check_fits(len(tokens))
         seq, cached = self._acquire(tokens)
@@ -576,7 +604,7 @@ class LlamaCppBackend(BatchedBackend):
             self._release(seq, keep)
         self._state_bytes_per_token = len(payload) / max(1, len(tokens) - 1)
         evaluated = len(tokens) - 1 - cached
-        meta = {"stop": list(stops)}
+        meta = {"stop": list(stops), "chat": chat_name}  # how the decode side reads what it generates
         if canary is not None:
             meta["canary"] = canary
         return Prefilled(
@@ -591,65 +619,91 @@ class LlamaCppBackend(BatchedBackend):
     def decode(self, received: Received, sampling: Sampling, cancelled) -> Iterator:
         started = time.perf_counter()
         self._check_fits(len(received.tokens))
-        stops = tuple(received.meta.get("stop", ()))
-        sampler = self._sampler(sampling)
+        output = self._output(sampling, received.meta.get("chat"), received.meta.get("stop", ()), received.tokens)
+        sampler = self._sampler(sampling, output, output.start_schema)
         # an imported state replaces the slot's cells: the lowest free slot; recomputed ids may reuse a prefix
         seq, cached = self._acquire(received.tokens if received.kind == KIND_TOKEN_IDS else None)
         keep = None
         try:
             canary = None
+            converted = {}
             if received.kind == KIND_LLAMA_SEQ_STATE:
                 load_time = self.import_state(seq, received)
                 method, recomputed = "kv_handoff", 0
                 canary = received.meta.get("canary") or {}  # {}: the bundle has none (reported as absent)
+            elif received.kind == KIND_NEUTRAL_KV:  # another engine's KV, written as this context's state
+                load_time, convert_time = self.import_neutral(seq, received)
+                method, recomputed, converted = "kv_handoff", 0, {"kv_convert_time": round(convert_time, 6)}
+                canary = received.meta.get("canary") or {}
             elif received.kind == KIND_TOKEN_IDS:  # only ids arrived: recompute the prompt here
                 load_time, method, recomputed = 0.0, "token_ids_recompute", len(received.tokens) - 1 - cached
                 yield from self._evaluate_all_but_last(seq, received.tokens, cached)
             else:
                 raise FingerprintMismatch(f"this llama.cpp server cannot continue a {received.kind!r} bundle",
                                           field="kv")
-            yield from self._continue(seq, received.tokens, sampler, sampling, stops, cancelled=cancelled,
+            yield from self._continue(seq, received.tokens, sampler, output, sampling, cancelled=cancelled,
                                       started=started, recomputed=recomputed, canary=canary,
                                       extra={"kv_load_time": round(load_time, 6), "method": method,
-                                             "prompt_tokens_cached": cached})
+                                             "prompt_tokens_cached": cached, **converted})
             keep = received.tokens
         finally:
+            sampler.close()
             self._release(seq, keep)
 
     def generate(self, prompt: Prompt, sampling: Sampling, cancelled) -> Iterator:
         started = time.perf_counter()
-        tokens, stops = self.tokenize(prompt)
+        tokens, stops, chat_name = self.prompt_tokens(prompt)
         self._check_fits(len(tokens))
-        sampler = self._sampler(sampling)
+        output = self._output(sampling, chat_name, stops, tokens)
+        sampler = self._sampler(sampling, output, output.start_schema)
         seq, cached = self._acquire(tokens)
         keep = None
         try:
             yield from self._evaluate_all_but_last(seq, tokens, cached)
-            yield from self._continue(seq, tokens, sampler, sampling, stops, cancelled=cancelled, started=started,
+            yield from self._continue(seq, tokens, sampler, output, sampling, cancelled=cancelled, started=started,
                                       recomputed=len(tokens) - 1 - cached,
                                       extra={"kv_load_time": 0.0, "method": "decode_only",
                                              "prompt_tokens_cached": cached})
             keep = tokens
         finally:
+            sampler.close()
             self._release(seq, keep)
 
     # -- the token loop --------------------------------------------------------------------------
 
-    def _sampler(self, sampling: Sampling):
-        """A sampler chain for one request: grammar first, then greedy, or top-k/top-p/temperature/seed."""
+    def _output(self, sampling: Sampling, chat_name: str | None, stops, tokens) -> chat.Output:
+        """How this request's answer is read: by the chat format its prompt was rendered with (``chat_name``,
+        from the prefill side; None: this model's own), with the request's tools, schema, stop strings and
+        reasoning budget. A schema that cannot become a grammar is refused here, before anything runs."""
+        output = chat.Output(chat.for_output(chat_name, self.chat),
+                             budget=min(sampling.max_new_tokens, self.settings.n_ctx - len(tokens)),
+                             tools=sampling.tools, json_schema=sampling.json_schema,
+                             stop=tuple(sampling.stop) + tuple(s for s in stops if s not in sampling.stop),
+                             reasoning_budget=sampling.reasoning_budget)
+        for schema in (output.start_schema, output.answer_schema):
+            if schema is not None:
+                self._grammar(schema)
+        return output
+
+    def _grammar(self, schema: dict):
+        from llama_cpp.llama_grammar import LlamaGrammar
+
+        try:
+            return LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+        except Exception as exc:
+            raise BadRequest(f"json_schema cannot be turned into a grammar: {exc}", field="json_schema") from None
+
+    def _sampler(self, sampling: Sampling, output: chat.Output, schema: dict | None = None):
+        """A sampler chain for one request: ``schema``'s grammar first (None: no grammar; the loop makes a new
+        chain when a schema that constrains only the answer comes due), then greedy, or
+        top-k/top-p/temperature/seed."""
         from llama_cpp import _internals
 
         sampler = _internals.LlamaSampler()
         if sampling.ignore_eos:  # every end-of-generation token out of reach, before anything else samples
-            sampler.add_logit_bias(self.model.n_vocab(), {t: float("-inf") for t in self._eog_tokens()})
-        if sampling.json_schema is not None:
-            from llama_cpp.llama_grammar import LlamaGrammar
-
-            try:
-                grammar = LlamaGrammar.from_json_schema(json.dumps(sampling.json_schema), verbose=False)
-            except Exception as exc:
-                raise BadRequest(f"json_schema cannot be turned into a grammar: {exc}", field="json_schema") from None
-            sampler.add_grammar(self.model, grammar)
+            sampler.add_logit_bias(self.model.n_vocab(), {t: float("-inf") for t in self._end_ids(output.format)})
+        if schema is not None:
+            sampler.add_grammar(self.model, self._grammar(schema))
         if sampling.temperature <= 0:
             sampler.add_greedy()
         else:
@@ -670,73 +724,100 @@ class LlamaCppBackend(BatchedBackend):
             self._eog = [t for t in range(self.model.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)]
         return self._eog
 
-    def _continue(self, seq, tokens, sampler, sampling: Sampling, stops, *, cancelled, started, recomputed, extra,
-                  canary: dict | None = None):
+    def _end_ids(self, fmt) -> frozenset:
+        """The token ids that end a generation read by chat format ``fmt`` (computed once per format)."""
+        if fmt.name not in self._ends:
+            def single(text):
+                ids = self._special_tokens(text)
+                return ids[0] if len(ids) == 1 else None
+            self._ends[fmt.name] = end_tokens(fmt, set(self._eog_tokens()), single)
+        return self._ends[fmt.name]
+
+    def _special_tokens(self, text: str) -> list[int]:
+        """The ids of ``text``, special tokens' text read as those tokens (what the loop feeds the model)."""
+        return self.model.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+
+    def _continue(self, seq, tokens, sampler, output: chat.Output, sampling: Sampling, *, cancelled, started,
+                  recomputed, extra, canary: dict | None = None):
         """Evaluate the prompt's last token in ``seq`` (which holds the rest), then sample the answer.
+
+        Each sampled token goes to ``output`` (``take``: the chat format's reading of it) and what it reads
+        is yielded; a token that ends the generation by the format's rules ends it, unless the format would
+        rather move the model on to its answer. Text the format has the model go on with (that opening, or
+        after a spent reasoning budget) is evaluated with the next step, and a schema that constrains only
+        the answer gets its grammar when ``schema_due`` says so.
 
         With ``canary`` (a handed-over state; ``{}`` when its bundle carried none), the next-token
         distribution is checked against the prefill side's first: ``CanaryMismatch`` before anything
-        is sampled when it is beyond tolerance."""
+        is sampled when it is beyond tolerance. The caller closes the sampler it passed; one made here
+        is closed here."""
         import llama_cpp
 
-        stop = tuple(sampling.stop) + tuple(s for s in stops if s not in sampling.stop)
-        hold = max((len(s) for s in stop), default=1) - 1
-        vocab = self.model.vocab
+        ends = self._end_ids(output.format)
+        special = output.format.special_text
         budget = min(sampling.max_new_tokens, self.settings.n_ctx - len(tokens))
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        text, sent, generated, finish, cut_at_stop = "", 0, 0, "length", False
+        generated, fed, finish = 0, 0, "length"
         t_gen = time.perf_counter()
         ev = Eval(seq, [tokens[-1]], len(tokens) - 1)
         yield ev
         recomputed += 1
         if canary is not None:
-            try:
-                extra = {**extra, **self.canary.check(canary, self._row_logits(ev.row), self.engine,
-                                                      exact=ev.alone and self._restores_exactly(len(tokens)),
-                                                      threads=self._threads,
-                                                      deterministic=self.settings.deterministic)}
-            except BaseException:
-                sampler.close()
-                raise
+            extra = {**extra, **self.canary.check(canary, self._row_logits(ev.row), self.engine,
+                                                  exact=ev.alone and self._restores_exactly(len(tokens)),
+                                                  threads=self._threads, deterministic=self.settings.deterministic)}
         first_at = time.perf_counter()
         pos = len(tokens)
-        while True:
-            token = llama_cpp.llama_sampler_sample(sampler.sampler, self.ctx.ctx, ev.row)
-            if llama_cpp.llama_vocab_is_eog(vocab, token):
-                finish = "stop"
-                break
-            generated += 1
-            text += decoder.decode(self.model.detokenize([token], special=False))
-            cut = min((i for i in (text.find(s, max(0, sent - hold)) for s in stop) if i >= 0), default=-1)
-            if cut >= 0:
-                text, finish, cut_at_stop = text[:cut], "stop", True
-                break
-            upto = max(sent, len(text) - hold) if stop else len(text)
-            if upto > sent:
-                yield Event(piece=text[sent:upto])
-            sent = upto
-            if generated >= budget or cancelled():
-                finish = "cancelled" if cancelled() else "length"
-                break
-            ev = Eval(seq, [token], pos)
-            pos += 1
-            yield ev
-        sampler.close()
-        if not cut_at_stop:
-            text += decoder.decode(b"", final=True)
-        if len(text) > sent:
-            yield Event(piece=text[sent:])
+        own = None  # a sampler this loop made (the answer's grammar)
+        try:
+            while True:
+                token = llama_cpp.llama_sampler_sample(sampler.sampler, self.ctx.ctx, ev.row)
+                step = output.take(None if token in ends else
+                                   decoder.decode(self.model.detokenize([token], special=special)))
+                for part in step.parts:
+                    yield Event.of(part)
+                if step.done:
+                    finish = "stop"
+                    break
+                evaluate = [token] if step.sampled else []
+                if step.sampled:
+                    generated += 1
+                    if generated + fed >= budget or cancelled():
+                        finish = "cancelled" if cancelled() else "length"
+                        break
+                if step.feed is not None:  # text the format has the model go on with (chat/output.py)
+                    ids = self._special_tokens(step.feed)
+                    if generated + fed + len(ids) >= budget:  # no room left for an answer after them
+                        break
+                    fed += len(ids)
+                    evaluate += ids
+                    for part in output.fed(step.feed, len(ids)):
+                        yield Event.of(part)
+                schema = output.schema_due()
+                if schema is not None:  # the answer opened: its grammar from the next token on
+                    if own is not None:
+                        own.close()
+                    sampler = own = self._sampler(sampling, output, schema)
+                ev = Eval(seq, evaluate, pos)
+                pos += len(evaluate)
+                yield ev
+        finally:
+            if own is not None:
+                own.close()
+        for part in output.close(decoder.decode(b"", final=True)):
+            yield Event.of(part)
         ended = time.perf_counter()
         decode_time = ended - t_gen
         metrics = {
             "prompt_tokens": len(tokens),
             "prompt_tokens_recomputed": recomputed,
-            "completion_tokens": generated,
+            "completion_tokens": generated + fed,
             "decode_time": round(decode_time, 6),
             "decode_speed": rate(generated, decode_time),
             "first_token_time": round(first_at - t_gen, 6),
             "backend_time": round(ended - started, 6),
-            "finish_reason": finish,
+            "finish_reason": output.finish_reason(finish),
+            **output.metrics(),
             **extra,
         }
         if extra["method"] != "kv_handoff":  # the prompt was computed here: say how long it took

@@ -55,7 +55,7 @@ class MlxBackend(NeutralKVBackend):
         directory = model_dir(path, digest, progress)
         started = time.perf_counter()
         self.model, self.config = load_model(directory)
-        self.vocab = GgufVocab(path)
+        self.vocab = GgufVocab(path, self.settings.chat_format)
         c = self.config
         self._fingerprint = {
             "backend": self.name, "library": "mlx-lm", "library_version": package_version("mlx-lm"),
@@ -68,7 +68,8 @@ class MlxBackend(NeutralKVBackend):
     def describe(self) -> dict:
         return {"model_sha256": self._fingerprint.get("model_sha256"), "weights_from": "gguf",
                 "n_ctx": self.settings.n_ctx, "mlx_version": self._fingerprint.get("mlx_version"),
-                "accepts": list(self.accepts)}
+                "accepts": list(self.accepts),
+                "chat_format": self.vocab.chat.name if self.vocab.chat is not None else None}
 
     # -- the model and its cache -----------------------------------------------------------------
 

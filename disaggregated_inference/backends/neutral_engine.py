@@ -13,10 +13,11 @@ arrives in the other head-dim order.
 An engine built on ``NeutralKVBackend`` provides the model:
 
 ``load()``
-    sets ``self.model``, ``self.vocab`` (``tokenize(prompt)``, ``is_eog(token)``,
-    ``piece(token) -> bytes``, ``close()``: a ``GgufVocab`` reads them from the
-    GGUF) and ``self._fingerprint``, whose ``model_sha256`` and ``arch`` name
-    the weights a bundle must come from;
+    sets ``self.model``, ``self.vocab`` (a ``GgufVocab``: the GGUF's
+    vocabulary and chat format, ``prompt_tokens(prompt)``, ``ends(format)``,
+    ``piece(token, special) -> bytes``, ``special_tokens(text)``, ``close()``)
+    and ``self._fingerprint``, whose ``model_sha256`` and ``arch`` name the
+    weights a bundle must come from;
 ``expected_layout()``
     its cache's ``n_layer``, ``n_kv_heads``, ``head_dim_k``/``head_dim_v``,
     ``head_dim_order`` and ``rope`` (kv/neutral.py);
@@ -33,6 +34,12 @@ An engine built on ``NeutralKVBackend`` provides the model:
     ``logits -> token id``; the logits as a float32 numpy vector (the canary);
 and may replace ``step(token, cache)``, the next token's logits (``evaluate``
 of that one token by default).
+
+Answers are read by the model's chat format (chat/), as llama.cpp's loop reads
+them: reasoning, answer and tool calls apart, the format's end tokens, a
+reasoning budget that moves the model on to its answer. These engines have no
+grammar sampling, so what needs one (``json_schema``, tool calls through the
+JSON envelope) is refused with a 400.
 """
 from __future__ import annotations
 
@@ -41,15 +48,17 @@ import codecs
 import time
 from typing import Iterator
 
-from ..errors import BadRequest, BundleError, FingerprintMismatch
+from .. import chat
+from ..errors import BadRequest, FingerprintMismatch
 from ..kv import neutral
 from ..kv.bundle import KIND_NEUTRAL_KV, KIND_TOKEN_IDS
-from .base import Backend, Event, Prefilled, Prompt, Received, Sampling, check_fits, rate
+from .base import Backend, ChatSettings, Event, Prefilled, Prompt, Received, Sampling, check_fits, rate
 
 
 class NeutralKVBackend(Backend):
     handoff_kind = KIND_NEUTRAL_KV
     accepts = (KIND_NEUTRAL_KV, KIND_TOKEN_IDS)
+    Settings = ChatSettings
 
     def __init__(self, settings):
         super().__init__(settings)
@@ -119,8 +128,9 @@ class NeutralKVBackend(Backend):
         return {"model_sha256": self._fingerprint["model_sha256"], "arch": self._fingerprint["arch"]}
 
     def tokenize(self, prompt: Prompt) -> tuple[list[int], tuple]:
-        """Token ids of a prompt and the stop strings its chat template adds."""
-        return self.vocab.tokenize(prompt)
+        """Token ids of a prompt and the stop strings its chat template adds (the GGUF's vocabulary, read
+        only: safe beside the model's work)."""
+        return self.vocab.prompt_tokens(prompt, self.settings.n_ctx)[:2]
 
     def export_neutral(self, cache, n_kv_tokens: int) -> neutral.NeutralKV:
         """The cache (``n_kv_tokens`` prompt tokens) as neutral K/V arrays."""
@@ -139,17 +149,9 @@ class NeutralKVBackend(Backend):
     def import_neutral(self, meta: dict, payload, n_kv_tokens: int):
         """A cache holding a neutral bundle's K/V, checked against this model first; K arriving in the other
         head-dim order is permuted into this engine's (the time it took: ``kv_convert_time``)."""
-        meta = neutral.validate_meta(meta)
-        neutral.check_model(self.identity(), meta["model"])
         layout = self.expected_layout()
-        perm = neutral.head_dim_permutation(layout["head_dim_order"], meta["head_dim_k"]) \
-            if neutral.check_shape(meta, layout, reorder=True) else None
-        if meta["pos_start"] != 0:
-            raise BundleError(f"pos_start is {meta['pos_start']}; the cache must start at position 0",
-                              field="meta.neutral.pos_start")
-        if meta["n_kv_tokens"] != n_kv_tokens:
-            raise BundleError(f"n_kv_tokens is {meta['n_kv_tokens']} but the bundle's token ids need {n_kv_tokens}",
-                              field="meta.neutral.n_kv_tokens")
+        meta, permute = neutral.check_import(meta, self.identity(), layout, n_kv_tokens)
+        perm = neutral.head_dim_permutation(layout["head_dim_order"], meta["head_dim_k"]) if permute else None
         cache = self.new_cache()
         self.kv_convert_time = None if perm is None else 0.0
         if n_kv_tokens:
@@ -169,7 +171,7 @@ class NeutralKVBackend(Backend):
 
     def prefill(self, prompt: Prompt) -> Prefilled:
         t0 = time.perf_counter()
-        tokens, stops = self.tokenize(prompt)
+        tokens, stops, chat_name = self.vocab.prompt_tokens(prompt)
         tokenize_time = time.perf_counter() - t0
         check_fits(len(tokens), self.settings.n_ctx)
         cache = self.new_cache()
@@ -179,7 +181,7 @@ class NeutralKVBackend(Backend):
         t2 = time.perf_counter()
         meta, payload = neutral.encode(self.export_neutral(cache, evaluated))
         export_time = time.perf_counter() - t2
-        extra = {"stop": list(stops), "neutral": meta}
+        extra = {"stop": list(stops), "chat": chat_name, "neutral": meta}
         t3 = time.perf_counter()
         if self.canary.top_k > 0:  # after the export: the bundle still ends one token early (kv/canary.py)
             extra["canary"] = self.canary.make(self.logits_array(self.evaluate(tokens[-1:], cache)), self.engine)
@@ -194,10 +196,9 @@ class NeutralKVBackend(Backend):
         )
 
     def decode(self, received: Received, sampling: Sampling, cancelled) -> Iterator[Event]:
-        self._refuse_schema(sampling)
         started = time.perf_counter()
         check_fits(len(received.tokens), self.settings.n_ctx)
-        stops = tuple(received.meta.get("stop", ()))
+        output = self._output(sampling, received.meta.get("chat"), received.meta.get("stop", ()), received.tokens)
         canary, converted, evaluated = None, {}, 0
         if received.kind == KIND_NEUTRAL_KV:
             t = time.perf_counter()
@@ -214,18 +215,18 @@ class NeutralKVBackend(Backend):
         else:
             raise FingerprintMismatch(f"this {self.name} server cannot continue a {received.kind!r} bundle "
                                       f"(it accepts {', '.join(self.accepts)})", field="kv")
-        yield from self._continue(received.tokens, cache, sampling, stops, evaluated=evaluated, cancelled=cancelled,
+        yield from self._continue(received.tokens, cache, sampling, output, evaluated=evaluated, cancelled=cancelled,
                                   started=started, canary=canary,
                                   extra={"kv_load_time": round(load_time, 6), "method": method, **converted})
 
     def generate(self, prompt: Prompt, sampling: Sampling, cancelled) -> Iterator[Event]:
-        self._refuse_schema(sampling)
         started = time.perf_counter()
-        tokens, stops = self.tokenize(prompt)
+        tokens, stops, chat_name = self.vocab.prompt_tokens(prompt)
         check_fits(len(tokens), self.settings.n_ctx)
+        output = self._output(sampling, chat_name, stops, tokens)
         cache = self.new_cache()
         evaluated = self._evaluate_all_but_last(tokens, cache)
-        yield from self._continue(tokens, cache, sampling, stops, evaluated=evaluated, cancelled=cancelled,
+        yield from self._continue(tokens, cache, sampling, output, evaluated=evaluated, cancelled=cancelled,
                                   started=started, extra={"kv_load_time": 0.0, "method": "decode_only"})
 
     def _evaluate_all_but_last(self, tokens, cache) -> int:
@@ -234,65 +235,82 @@ class NeutralKVBackend(Backend):
             self.evaluate(tokens[:-1], cache)
         return max(0, len(tokens) - 1)
 
-    def _refuse_schema(self, sampling: Sampling) -> None:
-        if sampling.json_schema is not None:
+    def _output(self, sampling: Sampling, chat_name: str | None, stops, tokens) -> chat.Output:
+        """How this request's answer is read (as llama.cpp's ``_output``); what needs grammar sampling is
+        refused, naming the field that asked for it."""
+        output = chat.Output(chat.for_output(chat_name, self.vocab.chat),
+                             budget=min(sampling.max_new_tokens, self.settings.n_ctx - len(tokens)),
+                             tools=sampling.tools, json_schema=sampling.json_schema,
+                             stop=tuple(sampling.stop) + tuple(s for s in stops if s not in sampling.stop),
+                             reasoning_budget=sampling.reasoning_budget)
+        if output.start_schema is not None or output.answer_schema is not None:
+            field = "json_schema" if sampling.json_schema is not None else "tools"
             raise BadRequest(f"the {self.name} backend cannot constrain its output to a JSON schema (no grammar "
-                             "sampling); send the request to a llama_cpp server or leave json_schema out",
-                             field="json_schema")
+                             f"sampling), which {field} needs for this model; send the request to a llama_cpp "
+                             f"server or leave {field} out", field=field)
+        return output
 
-    def _continue(self, tokens, cache, sampling: Sampling, stops, *, evaluated, cancelled, started, extra,
-                  canary=None):
+    def _continue(self, tokens, cache, sampling: Sampling, output: chat.Output, *, evaluated, cancelled, started,
+                  extra, canary=None):
         """Evaluate the last prompt token on ``cache`` (which holds the ``evaluated`` before it, or a handed-over
         state's), then sample; a handed-over state's ``canary`` is checked first (kv/canary.py)."""
-        stop = tuple(sampling.stop) + tuple(s for s in stops if s not in sampling.stop)
         budget = min(sampling.max_new_tokens, self.settings.n_ctx - len(tokens))
         sample = self.sampler(sampling)
         t_gen = time.perf_counter()
         logits = self.evaluate(tokens[-1:], cache)
         if canary is not None:
             extra = {**extra, **self.canary.check(canary, self.logits_array(logits), self.engine)}
-        generated, finish, first_at = yield from stream_text(
-            self.vocab, logits, sample, lambda token: self.step(token, cache),
-            budget=budget, stop=stop, cancelled=cancelled)
-        yield Event(metrics=generation_metrics(tokens, evaluated + 1, generated, finish, started=started,
-                                               t_gen=t_gen, first_at=first_at, extra=extra))
+
+        def advance(step):
+            return self.step(step[0], cache) if len(step) == 1 else self.evaluate(step, cache)
+
+        generated, finish, first_at = yield from stream_text(self.vocab, logits, sample, advance, output,
+                                                             budget=budget, cancelled=cancelled)
+        metrics = generation_metrics(tokens, evaluated + 1, generated + output.forced_tokens,
+                                     output.finish_reason(finish), started=started, t_gen=t_gen, first_at=first_at,
+                                     extra={**output.metrics(), **extra})
+        yield Event(metrics=metrics)
 
 
-def stream_text(vocab, logits, sample, advance, *, budget: int, stop: tuple, cancelled):
-    """Sample up to ``budget`` tokens and yield their text as ``Event(piece=...)``.
+def stream_text(vocab, logits, sample, advance, output: chat.Output, *, budget: int, cancelled):
+    """Sample up to ``budget`` tokens, feed their text to ``output`` and yield what it reads as ``Event``s.
 
-    ``sample(logits) -> token id``; ``advance(token) -> logits`` evaluates a sampled token
-    (not called after the last). Text that might be the start of a stop string is held back;
-    a stop string ends the text before it. Returns ``(generated, finish_reason, first_token_at)``.
-    """
-    hold = max((len(s) for s in stop), default=1) - 1
+    ``sample(logits) -> token id``; ``advance(tokens) -> logits`` evaluates the tokens of one step (a sampled
+    token, and what the format feeds after it) and is not called after the last. ``output.take`` says what
+    each token did: a token the format ends the generation with ends it unless the format moves the model
+    on to its answer instead; text the format feeds (the answer's opening) is evaluated with the step.
+    Returns ``(sampled tokens, finish_reason, first_token_at)``."""
+    ends = vocab.ends(output.format)
+    special = output.format.special_text
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    text, sent, generated, finish, cut_at_stop, first_at = "", 0, 0, "length", False, None
-    while generated < budget:
+    generated, finish, first_at = 0, "length", None
+    while generated + output.forced_tokens < budget:
         token = sample(logits)
         if first_at is None:
             first_at = time.perf_counter()
-        if vocab.is_eog(token):
+        step = output.take(None if token in ends else decoder.decode(vocab.piece(token, special)))
+        for part in step.parts:
+            yield Event.of(part)
+        if step.done:
             finish = "stop"
             break
-        generated += 1
-        text += decoder.decode(vocab.piece(token))
-        cut = min((i for i in (text.find(s, max(0, sent - hold)) for s in stop) if i >= 0), default=-1)
-        if cut >= 0:
-            text, finish, cut_at_stop = text[:cut], "stop", True
-            break
-        upto = max(sent, len(text) - hold) if stop else len(text)
-        yield Event(piece=text[sent:upto])
-        sent = upto
-        if cancelled():
-            finish = "cancelled"
-            break
-        if generated < budget:
-            logits = advance(token)
-    if not cut_at_stop:
-        text += decoder.decode(b"", final=True)
-    if len(text) > sent:
-        yield Event(piece=text[sent:])
+        evaluate = [token] if step.sampled else []
+        if step.sampled:
+            generated += 1
+            if cancelled():
+                finish = "cancelled"
+                break
+        if step.feed is not None:  # text the format has the model go on with (chat/output.py)
+            ids = vocab.special_tokens(step.feed)
+            if generated + output.forced_tokens + len(ids) >= budget:  # no room left for an answer after them
+                break
+            evaluate += ids
+            for part in output.fed(step.feed, len(ids)):
+                yield Event.of(part)
+        if generated + output.forced_tokens < budget:
+            logits = advance(evaluate)
+    for part in output.close(decoder.decode(b"", final=True)):
+        yield Event.of(part)
     return generated, finish, first_at
 
 

@@ -55,7 +55,8 @@ Known limits
     text merges with the end of the rendered prompt when ``prompt + text`` is
     tokenized again (a newline after a template that ends in one, say), the
     ids are off by that token and ``first_token_matches_prefill`` turns false.
-    ``thinking`` output (thinking models) is not forwarded, only ``response``.
+    ``thinking`` output (thinking models) is not forwarded, only ``response``;
+    ``reasoning_effort`` is not passed on, and ``tools`` are refused (400).
     Every call sends the same runner options (``num_ctx`` = ``n_ctx``, then
     ``ollama_options``): a change would make Ollama reload the model.
 """
@@ -270,6 +271,9 @@ class OllamaBackend(Backend):
 
     def render(self, prompt: Prompt) -> dict:
         """The ``prompt``/``system``/``template`` fields that make Ollama render this prompt."""
+        if prompt.tools is not None:
+            raise BadRequest("the ollama backend renders no tools (its /api/generate has none); serve tool calls "
+                             "with a llama_cpp server of the same GGUF (\"model\": \"ollama:NAME\")", field="tools")
         if prompt.raw:
             if prompt.messages is not None:
                 raise BadRequest("'raw' takes a 'prompt' string, not 'messages'", field="raw")
@@ -279,7 +283,7 @@ class OllamaBackend(Backend):
             return {"prompt": prompt.text, **({"system": prompt.system} if prompt.system else {})}
         messages = list(prompt.messages)
         system = [prompt.system] if prompt.system else []
-        while messages and messages[0]["role"] == "system":
+        while messages and messages[0]["role"] in ("system", "developer"):
             system.append(messages.pop(0)["content"])
         if len(messages) != 1 or messages[0]["role"] != "user":
             raise BadRequest("the ollama backend renders system messages followed by one user message "

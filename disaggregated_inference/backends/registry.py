@@ -31,6 +31,7 @@ _REGISTRY: dict[str, str] = {
     "ollama": "disaggregated_inference.backends.ollama:OllamaBackend",
     "mlx": "disaggregated_inference.backends.mlx:MlxBackend",
     "transformers": "disaggregated_inference.backends.transformers:TransformersBackend",
+    "vllm": "disaggregated_inference.backends.vllm:VllmBackend",
 }
 BUILT_IN = tuple(_REGISTRY)
 _plugins_loaded = False

@@ -36,7 +36,7 @@ from typing import Callable
 from ..errors import ConfigError
 from ..kv import fingerprint as fp
 from . import gguf_weights
-from .base import ModelSettings, Sampling
+from .base import ChatSettings, Sampling
 from .gguf import resolve_gguf
 from .gguf_vocab import GgufVocab
 from .neutral_engine import NeutralKVBackend
@@ -47,7 +47,7 @@ _ENGINE_DEVICE = {"cpu": "cpu", "cuda": "gpu", "mps": "metal"}  # as canary tole
 
 
 @dataclass(frozen=True)
-class TransformersSettings(ModelSettings):
+class TransformersSettings(ChatSettings):
     n_batch: int = option(512, "prompt tokens per forward pass", low=1)
     device: str = option("auto", "the torch device (auto: CUDA when torch sees it, else the CPU)",
                          pattern=r"auto|cpu|mps|cuda(:[0-9]+)?", expected="auto, cpu, cuda, cuda:N or mps")
@@ -91,7 +91,7 @@ class TransformersBackend(NeutralKVBackend):
         started = time.perf_counter()
         self.model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True)
         self.model.to(self.device).eval()
-        self.vocab = GgufVocab(path)
+        self.vocab = GgufVocab(path, self.settings.chat_format)
         c = self.model.config
         self._fingerprint = {
             "backend": self.name, "library": "transformers", "library_version": package_version("transformers"),
@@ -105,7 +105,8 @@ class TransformersBackend(NeutralKVBackend):
     def describe(self) -> dict:
         return {"model_sha256": self._fingerprint.get("model_sha256"), "weights_from": "gguf",
                 "n_ctx": self.settings.n_ctx, "device": self._fingerprint.get("device"),
-                "torch_version": self._fingerprint.get("torch_version"), "accepts": list(self.accepts)}
+                "torch_version": self._fingerprint.get("torch_version"), "accepts": list(self.accepts),
+                "chat_format": self.vocab.chat.name if self.vocab.chat is not None else None}
 
     # -- the model and its cache -----------------------------------------------------------------
 

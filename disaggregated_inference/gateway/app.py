@@ -23,10 +23,12 @@ from werkzeug.exceptions import HTTPException
 from .. import config as cluster_config
 from ..client import DisaggregatedClient
 from ..errors import DisaggError, ModelNotFound, NoServerAvailable, Unauthorized, UpstreamTimeout
+from ..server.web import arrival_limits
 from .metrics import GatewayMetrics
+from .parse import api_field
 from .ollama_api import ollama
 from .openai_api import openai
-from .relay import Gateway, state
+from .relay import Gateway, openai_type, state
 
 log = logging.getLogger(__name__)
 
@@ -46,20 +48,20 @@ def error_status(exc: DisaggError) -> tuple[int, dict]:
 
 
 def openai_error(message: str, status: int, param=None, code=None, headers=None) -> Response:
-    kind = ("invalid_request_error" if status in (400, 404, 409, 422) else "authentication_error" if status == 401
-            else "server_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    body = {"error": {"message": message, "type": openai_type(status), "param": param, "code": code}}
     return Response(json.dumps(body), status=status, mimetype="application/json", headers=headers)
 
 
-def ollama_error(message: str, status: int, headers=None) -> Response:
-    return Response(json.dumps({"error": message}), status=status, mimetype="application/json", headers=headers)
+def ollama_error(message: str, status: int, field=None, headers=None) -> Response:
+    """Ollama's ``{"error": message}``, with the ``field`` at fault where there is one."""
+    body = {"error": message, **({"field": field} if field else {})}
+    return Response(json.dumps(body), status=status, mimetype="application/json", headers=headers)
 
 
 def _error_response(message: str, status: int, param=None, code=None, headers=None) -> Response:
     if request.path.startswith("/v1"):
-        return openai_error(message, status, param, code, headers)
-    return ollama_error(message, status, headers)
+        return openai_error(message, status, api_field(param, "openai"), code, headers)
+    return ollama_error(message, status, api_field(param, "ollama"), headers)
 
 
 def resolve_config(config=None) -> cluster_config.ClusterConfig:
@@ -73,6 +75,8 @@ def create_app(config=None, client: DisaggregatedClient | None = None) -> Flask:
     app = Flask("disaggregated_inference.gateway", static_folder=None)
     app.json.sort_keys = False
     app.config["MAX_CONTENT_LENGTH"] = cfg.server["max_request_bytes"]
+    app.config["DISAGG_ARRIVAL"] = arrival_limits(cfg.server["header_timeout"], cfg.server["body_timeout"],
+                                                  cfg.server["max_request_bytes"])
     token = os.environ.get("DISAGG_GATEWAY_API_TOKEN") or cfg.gateway.get("api_token")
     app.extensions["gateway"] = Gateway(cfg, client or DisaggregatedClient(cfg), GatewayMetrics(), token, time.time())
 
@@ -83,10 +87,10 @@ def create_app(config=None, client: DisaggregatedClient | None = None) -> Flask:
             headers = {**headers, "Connection": "close"}
         if status >= 500:
             log.warning("request failed: status=%s code=%s error=%s", status, exc.code, exc.message)
-        message = exc.message
+        message, field = exc.message, exc.field
         if isinstance(exc, ModelNotFound) and not request.path.startswith("/v1"):
-            message = f"model '{_requested_model()}' not found"
-        return _error_response(message, status, exc.field, exc.code, headers)
+            message, field = f"model '{_requested_model()}' not found", None  # Ollama's very words, and only them
+        return _error_response(message, status, field, exc.code, headers)
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException):

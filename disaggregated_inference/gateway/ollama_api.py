@@ -6,6 +6,12 @@ Final objects carry Ollama's fields, durations in nanoseconds: ``total_duration`
 server's own prompt evaluation in a fallback), ``eval_duration`` (the decode),
 ``load_duration`` (what is neither: routing, KV transfer and import, queueing;
 every model is loaded already), plus a ``disagg`` object with the handoff's facts.
+
+A model's reasoning is ``thinking`` (``message.thinking`` on /api/chat), beside
+the answer, in stream lines as it comes; ``think: false`` leaves it out, a level
+(``low``, ``medium``, ``high``) sets the reasoning effort. Tool calls are
+``message.tool_calls``, each ``{"function": {"name", "arguments"}}`` with the
+arguments an object.
 """
 from __future__ import annotations
 
@@ -16,9 +22,10 @@ from datetime import datetime, timezone
 from flask import Blueprint, Response, g
 
 from .. import __version__
+from ..server.web import STREAM_HEADERS
 from . import sse
 from .relay import complete, fact_headers, facts, json_body, open_stream, state
-from .parse import GatewayRequest, parse_model_name, parse_ollama_chat, parse_ollama_generate
+from .parse import GatewayRequest, api_field, parse_model_name, parse_ollama_chat, parse_ollama_generate
 
 ollama = Blueprint("ollama", __name__)
 NS = 1_000_000_000
@@ -58,25 +65,52 @@ def version():
     return _json({"version": __version__})
 
 
+def _arguments(text: str) -> dict:
+    """A call's arguments as the object Ollama answers with (JSON text that is no object: under ``arguments``)."""
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except ValueError:
+        value = text
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
+def _tool_calls(calls) -> list:
+    return [{"function": {"name": c["name"], "arguments": _arguments(c["arguments"])}} for c in calls]
+
+
+def _generate_fields(text: str, thinking: str = "", calls=()) -> dict:
+    return {"response": text, **({"thinking": thinking} if thinking else {})}
+
+
+def _chat_fields(text: str, thinking: str = "", calls=()) -> dict:
+    message = {"role": "assistant", "content": text}
+    if thinking:
+        message["thinking"] = thinking
+    if calls:
+        message["tool_calls"] = _tool_calls(calls)
+    return {"message": message}
+
+
 @ollama.post("/api/generate")
 def generate():
     req = parse_ollama_generate(json_body())
     if req.prompt == "":  # Ollama: an empty prompt only loads the model; ours are always loaded
         state().config.resolve_model(req.model)
         return _json({"model": req.model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"})
-    return _answer(req, lambda text: {"response": text})
+    return _answer(req, _generate_fields)
 
 
 @ollama.post("/api/chat")
 def chat():
     req = parse_ollama_chat(json_body())
-    return _answer(req, lambda text: {"message": {"role": "assistant", "content": text}})
+    return _answer(req, _chat_fields)
 
 
 def _answer(req: GatewayRequest, content) -> Response:
     if not req.stream:
         text, metrics = complete(req, "ollama")
-        body = {"model": req.model, "created_at": _now(), **content(text), "done": True,
+        body = {"model": req.model, "created_at": _now(),
+                **content(text, metrics.get("reasoning", ""), metrics.get("tool_calls") or ()), "done": True,
                 **_final(metrics, time.perf_counter() - g.arrived), "disagg": facts(metrics)}
         return _json(body, fact_headers(metrics))
     arrived = g.arrived
@@ -84,15 +118,18 @@ def _answer(req: GatewayRequest, content) -> Response:
 
     def lines():
         for kind, value in events:
-            if kind == "piece":
-                yield sse.ndjson_line({"model": req.model, "created_at": _now(), **content(value), "done": False})
+            if kind in ("piece", "reasoning", "tool_call"):
+                fields = (content(value) if kind == "piece" else content("", value) if kind == "reasoning"
+                          else content("", "", [value]))
+                yield sse.ndjson_line({"model": req.model, "created_at": _now(), **fields, "done": False})
             elif kind == "done":
                 yield sse.ndjson_line({"model": req.model, "created_at": _now(), **content(""), "done": True,
                                        **_final(value, time.perf_counter() - arrived), "disagg": facts(value)})
             else:  # an error after the stream started: an extra line, as Ollama does
-                yield sse.ndjson_line({"error": value.message})
+                field = api_field(value.field, "ollama")
+                yield sse.ndjson_line({"error": value.message, **({"field": field} if field else {})})
 
-    return Response(lines(), mimetype="application/x-ndjson", headers=fact_headers(route))
+    return Response(lines(), mimetype="application/x-ndjson", headers={**fact_headers(route), **STREAM_HEADERS})
 
 
 def _details(entry: dict) -> dict:
@@ -130,10 +167,28 @@ def show():
     st = state()
     key = st.config.resolve_model(name)
     entry = st.config.models[key]
-    info = next((s.health.get("model_info") for s in st.client.servers.values()
-                 if s.entry.model == key and s.health.get("model_info")), None) or {}
+    def model_info():
+        return next((s.health.get("model_info") for s in st.client.servers.values()
+                     if s.entry.model == key and s.health.get("model_info")), None)
+
+    info = model_info()
+    if info is None:  # no health check has reached its servers yet: ask them now
+        st.client.check_health()
+        info = model_info() or {}
     return _json({"modelfile": "", "parameters": "", "template": "", "details": _details(entry),
                   "model_info": {"disagg.model": key, "disagg.aliases": entry.get("aliases", []),
                                  "disagg.backend": entry.get("backend", "llama_cpp"),
                                  "disagg.n_ctx": entry.get("n_ctx"), **{f"disagg.{k}": v for k, v in info.items()}},
-                  "capabilities": ["completion"], "modified_at": _now()})
+                  "capabilities": _capabilities(entry, info), "modified_at": _now()})
+
+
+def _capabilities(entry: dict, info: dict) -> list:
+    """Ollama's capability names for what the model's chat format (as its servers report it) can do."""
+    found = ["completion"]
+    fmt = info.get("chat_format")
+    grammar = entry.get("backend", "llama_cpp") == "llama_cpp"  # the JSON-envelope tool calls need one
+    if fmt in ("harmony", "qwen3_coder") or (fmt == "template" and grammar):
+        found.append("tools")
+    if fmt == "harmony":
+        found.append("thinking")
+    return found

@@ -1,17 +1,35 @@
 """Typed parsing of the OpenAI and Ollama request bodies, once, at the gateway's edge.
 
 Both APIs become one ``GatewayRequest``: what the ``DisaggregatedClient`` is asked
-to do. What the cluster cannot honour (several choices, log-probabilities, tools,
+to do. What the cluster cannot honour (several choices, log-probabilities,
 images, an Ollama ``context``) is refused with a ``BadRequest`` naming the field,
-never silently dropped.
+never silently dropped. Conversations with tool calls and tool results, the
+tools offered (``tools``, ``tool_choice``) and the reasoning asked for (OpenAI's
+``reasoning_effort``, Ollama's ``think``) are checked here as the servers will
+(chat/conversation.py) and passed on in the servers' own shapes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import chat
 from ..errors import BadRequest
 
 UNLIMITED_TOKENS = 1 << 20  # the decode server stops at the end of its context first
+
+# The cluster's names of request fields (what the client and the servers name in their errors: they
+# check the request the gateway builds) as each API spells them; the others are the same in both.
+API_FIELDS = {
+    "openai": {"json_schema": "response_format", "max_new_tokens": "max_tokens"},
+    "ollama": {"json_schema": "format", "max_new_tokens": "options.num_predict", "stop": "options.stop",
+               "temperature": "options.temperature", "top_p": "options.top_p", "top_k": "options.top_k",
+               "seed": "options.seed"},
+}
+
+
+def api_field(field: str | None, api: str) -> str | None:
+    """A cluster error's ``field`` as the API the request came through names it."""
+    return API_FIELDS[api].get(field, field) if field else field
 
 
 @dataclass(frozen=True)
@@ -30,12 +48,25 @@ class GatewayRequest:
     seed: int | None = None
     stop: tuple = ()
     json_schema: dict | None = None
+    tools: tuple | None = None       # functions, in the OpenAI API's shape
+    tool_choice: object = None       # auto, none, required, or {"type": "function", "function": {"name": ...}}
+    parallel_tool_calls: bool = True  # false: at most one call is answered
+    reasoning_effort: str | None = None
+    reasoning_budget: int | None = None
+    show_reasoning: bool = True      # Ollama's think: false leaves the thinking out of the answer
+    ignore_eos: bool = False
 
     def client_kwargs(self) -> dict:
         """The keyword arguments of ``DisaggregatedClient.generate`` / ``.stream``."""
         kwargs = {"model": self.model, "max_tokens": self.max_tokens, "temperature": self.temperature,
                   "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed, "stop": list(self.stop) or None,
-                  "json_schema": self.json_schema, "raw": self.raw, "system": self.system}
+                  "json_schema": self.json_schema, "raw": self.raw, "system": self.system,
+                  "reasoning_effort": self.reasoning_effort, "reasoning_budget": self.reasoning_budget}
+        if self.tools is not None:
+            kwargs["tools"] = list(self.tools)
+            kwargs["tool_choice"] = self.tool_choice
+        if self.ignore_eos:
+            kwargs["ignore_eos"] = True
         if self.messages is not None:
             kwargs["messages"] = [dict(m) for m in self.messages]
         else:
@@ -97,15 +128,17 @@ def _model(body: dict) -> str:
 
 OPENAI_REFUSED = {
     "logprobs": "log-probabilities are not returned", "top_logprobs": "log-probabilities are not returned",
-    "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
-    "functions": "function calls are not supported", "function_call": "function calls are not supported",
-    "parallel_tool_calls": "tool calls are not supported", "logit_bias": "logit bias is not supported",
+    "functions": "the deprecated function calls are not supported: send 'tools'",
+    "function_call": "the deprecated function calls are not supported: send 'tool_choice'",
+    "logit_bias": "logit bias is not supported",
     "audio": "audio is not supported", "modalities": "only text is supported",
     "prediction": "predicted outputs are not supported", "echo": "echo is not supported",
     "suffix": "suffix (insertion) is not supported", "best_of": "best_of is not supported",
 }
+# ignore_eos: exactly max_tokens (vLLM's and llama.cpp's servers take it too); benchmarks need it
 OPENAI_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
-                 "user", "frequency_penalty", "presence_penalty", "response_format", "store", "metadata"}
+                 "user", "frequency_penalty", "presence_penalty", "response_format", "store", "metadata",
+                 "ignore_eos"}
 
 
 def _openai_common(body: dict) -> dict:
@@ -123,6 +156,10 @@ def _openai_common(body: dict) -> dict:
         raise BadRequest("'stream_options' is only allowed with 'stream': true", field="stream_options")
     if set(options) - {"include_usage"}:
         raise BadRequest("'stream_options' may only hold 'include_usage'", field="stream_options")
+    schema = _response_format(body.get("response_format"))
+    ignore_eos = _get(body, "ignore_eos", bool, False, what="a boolean")
+    if ignore_eos and schema is not None:  # a grammar ends its output with an end-of-generation token
+        raise BadRequest("'ignore_eos' cannot be combined with 'response_format'", field="ignore_eos")
     return {
         "model": _model(body),
         "stream": stream,
@@ -132,7 +169,8 @@ def _openai_common(body: dict) -> dict:
         "top_p": float(_number(body, "top_p", 1.0, 0.0, 1.0)),
         "seed": _number(body, "seed", None, -(1 << 31), (1 << 32) - 1, integer=True),
         "stop": _stop(body.get("stop"), "stop"),
-        "json_schema": _response_format(body.get("response_format")),
+        "json_schema": schema,
+        "ignore_eos": ignore_eos,
     }
 
 
@@ -167,22 +205,54 @@ def _openai_content(content, i: int) -> str:
     raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", field=f"messages[{i}].content")
 
 
+def _tools(body: dict) -> dict:
+    """``tools`` and ``tool_choice`` checked as the servers will check them; passed on as given."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parsed = chat.parse_tools(tools, choice)
+    if parsed is None:
+        return {}
+    return {"tools": tuple(tools), "tool_choice": choice}
+
+
+def _turn(m: dict, content: str, *, reasoning: str, tool: dict) -> dict:
+    """A message in the servers' shape (chat/conversation.py): an assistant's calls and its reasoning (the API's
+    ``reasoning`` field), a tool result's fields (``tool``: the API's name -> the servers')."""
+    message = {"role": m["role"], "content": content}
+    if m["role"] == "assistant":
+        if m.get("tool_calls"):
+            message["tool_calls"] = m["tool_calls"]
+        if m.get(reasoning) is not None:
+            message["reasoning"] = m[reasoning]
+    if m["role"] == "tool":
+        message.update({ours: m[theirs] for theirs, ours in tool.items() if m.get(theirs) is not None})
+    return message
+
+
+def _checked(messages: list) -> tuple:
+    """The servers' message shapes, checked now so that a bad one is a 400 before anything is routed."""
+    chat.parse_messages(messages)
+    return tuple(messages)
+
+
 def parse_openai_chat(body) -> GatewayRequest:
     body = _object(body)
-    _unknown(body, OPENAI_COMMON | {"messages", "max_completion_tokens"}, OPENAI_REFUSED)
+    _unknown(body, OPENAI_COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice",
+                                    "parallel_tool_calls", "reasoning_effort", "reasoning_budget"}, OPENAI_REFUSED)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list", field="messages")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
-            raise BadRequest(f"messages[{i}].role must be system, developer, user or assistant (tools are not "
-                             "supported)", field=f"messages[{i}].role")
-        if m.get("tool_calls"):
-            raise BadRequest("tool calls are not supported", field=f"messages[{i}].tool_calls")
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": _openai_content(m.get("content"), i)})
-    return GatewayRequest(messages=tuple(out), **_openai_common(body))
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            raise BadRequest(f"messages[{i}].role must be system, developer, user, assistant or tool",
+                             field=f"messages[{i}].role")
+        # an assistant turn that only calls tools may have no content (null)
+        content = "" if m.get("content") is None and m.get("tool_calls") else _openai_content(m.get("content"), i)
+        out.append(_turn(m, content, reasoning="reasoning_content", tool={"tool_call_id": "tool_call_id"}))
+    return GatewayRequest(messages=_checked(out), **_openai_common(body), **_tools(body),
+                          parallel_tool_calls=_get(body, "parallel_tool_calls", bool, True, what="a boolean"),
+                          reasoning_effort=chat.parse_effort(body.get("reasoning_effort")),
+                          reasoning_budget=_number(body, "reasoning_budget", None, 0, UNLIMITED_TOKENS, integer=True))
 
 
 def parse_openai_completion(body) -> GatewayRequest:
@@ -202,11 +272,10 @@ def parse_openai_completion(body) -> GatewayRequest:
 OLLAMA_REFUSED = {
     "context": "the KV of a previous answer is not kept; send the conversation to /api/chat instead",
     "images": "images are not supported", "template": "the model's own template is always used",
-    "suffix": "suffix (insertion) is not supported", "think": "thinking is not supported",
-    "tools": "tool calls are not supported", "logprobs": "log-probabilities are not returned",
+    "suffix": "suffix (insertion) is not supported", "logprobs": "log-probabilities are not returned",
     "top_logprobs": "log-probabilities are not returned",
 }
-OLLAMA_COMMON = {"model", "stream", "format", "options", "keep_alive"}
+OLLAMA_COMMON = {"model", "stream", "format", "options", "keep_alive", "think"}
 OLLAMA_SAMPLING = {"temperature", "top_p", "top_k", "seed", "num_predict", "stop"}
 # runner settings fixed by each server's config: accepted, with no effect (Ollama reloads the model for them)
 OLLAMA_RUNNER = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "numa",
@@ -231,6 +300,9 @@ def _ollama_common(body: dict) -> dict:
     else:
         raise BadRequest("'format' must be \"json\" or a JSON schema object", field="format")
     _get(body, "keep_alive", (str, int, float), None, what="a duration")  # servers keep their models loaded
+    think = body.get("think")
+    if think is not None and not isinstance(think, bool) and think not in chat.EFFORTS:
+        raise BadRequest("'think' must be true, false or one of low, medium, high", field="think")
     return {
         "model": _model(body),
         "stream": _get(body, "stream", bool, True, what="a boolean"),
@@ -241,13 +313,17 @@ def _ollama_common(body: dict) -> dict:
         "seed": None if seed is not None and seed < 0 else seed,  # -1: random, as in Ollama
         "stop": _stop(options.get("stop"), "options.stop"),
         "json_schema": schema,
+        # think: a level sets the effort; false keeps the thinking out of the answer (the model still thinks)
+        "reasoning_effort": think if isinstance(think, str) else None,
+        "show_reasoning": think is not False,
     }
 
 
 def parse_ollama_generate(body) -> GatewayRequest:
     """``/api/generate``; an empty prompt only "loads" the model (answered without a generation)."""
     body = _object(body)
-    _unknown(body, OLLAMA_COMMON | {"prompt", "system", "raw"}, OLLAMA_REFUSED)
+    _unknown(body, OLLAMA_COMMON | {"prompt", "system", "raw"},
+             {**OLLAMA_REFUSED, "tools": "tools are offered on /api/chat"})
     prompt = _get(body, "prompt", str, "", what="a string")
     raw = _get(body, "raw", bool, False, what="a boolean")
     system = _get(body, "system", str, None, what="a string")
@@ -258,21 +334,24 @@ def parse_ollama_generate(body) -> GatewayRequest:
 
 def parse_ollama_chat(body) -> GatewayRequest:
     body = _object(body)
-    _unknown(body, OLLAMA_COMMON | {"messages"}, OLLAMA_REFUSED)
+    _unknown(body, OLLAMA_COMMON | {"messages", "tools"}, OLLAMA_REFUSED)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list", field="messages")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-            raise BadRequest(f"messages[{i}].role must be system, user or assistant", field=f"messages[{i}].role")
-        for key in ("images", "tool_calls"):
-            if m.get(key):
-                raise BadRequest(f"messages[{i}].{key} is not supported", field=f"messages[{i}].{key}")
-        if not isinstance(m.get("content"), str):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise BadRequest(f"messages[{i}].role must be system, user, assistant or tool",
+                             field=f"messages[{i}].role")
+        if m.get("images"):
+            raise BadRequest(f"messages[{i}].images is not supported", field=f"messages[{i}].images")
+        content = m.get("content")
+        if content is None and m.get("tool_calls"):
+            content = ""
+        if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string", field=f"messages[{i}].content")
-        out.append({"role": m["role"], "content": m["content"]})
-    return GatewayRequest(messages=tuple(out), **_ollama_common(body))
+        out.append(_turn(m, content, reasoning="thinking", tool={"tool_name": "name"}))
+    return GatewayRequest(messages=_checked(out), **_ollama_common(body), **_tools(body))
 
 
 def parse_model_name(body) -> str:

@@ -8,16 +8,17 @@ disaggregation facts of an answer (``facts``) travel as ``X-Disagg-*`` headers
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
 
 from flask import current_app, g
 
+from .. import chat
 from .. import config as cluster_config
 from ..client import DisaggregatedClient
-from ..errors import BadRequest, DisaggError, ModelNotFound
+from ..errors import DisaggError, ModelNotFound
+from ..server.parse import parse_json
 from ..server.web import read_body
 from .metrics import GatewayMetrics
 from .parse import GatewayRequest
@@ -64,6 +65,14 @@ def fact_headers(known: dict) -> dict:
     return headers
 
 
+def openai_type(status: int) -> str:
+    """OpenAI's error ``type`` for an HTTP status: every 4xx is the request's fault but these three."""
+    if status >= 500:
+        return "server_error"
+    return {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error")
+
+
 def _model_label(name: str) -> str:
     try:
         return state().config.resolve_model(name)
@@ -82,18 +91,21 @@ def complete(req: GatewayRequest, api: str) -> tuple[str, dict]:
         raise
     st.metrics.finished(api, label, metrics["method"], "ok")
     st.metrics.duration.labels(api=api, stream="false").observe(time.perf_counter() - g.arrived)
+    if not req.show_reasoning:
+        metrics.pop("reasoning", None)
     return text, metrics
 
 
 def open_stream(req: GatewayRequest, api: str):
     """Start a streamed request: route it and wait for its first piece (errors until then raise here,
     with their status). Returns ``(route, events)``: what is known of the handoff now, and an
-    iterator of ``("piece", text)``, then ``("done", metrics)`` or ``("error", DisaggError)``."""
+    iterator of ``("piece", text)``, ``("reasoning", text)`` and ``("tool_call", {"name", "arguments"})``,
+    then ``("done", metrics)`` or ``("error", DisaggError)``."""
     st = state()
     label = _model_label(req.model)
     arrived = g.arrived
     route: dict = {}
-    pieces = st.client.stream(**req.client_kwargs(), on_route=route.update)
+    pieces = st.client.stream(**req.client_kwargs(), on_route=route.update, parts=True)
     try:
         first = next(pieces)
     except DisaggError as exc:
@@ -115,7 +127,11 @@ def open_stream(req: GatewayRequest, api: str):
                 else:
                     st.metrics.inter_token.labels(model=label).observe(now - last)
                 last = now
-                yield "piece", item
+                if isinstance(item, chat.Part):
+                    if item.kind == chat.TOOL_CALL or req.show_reasoning:
+                        yield item.kind, item.value
+                else:
+                    yield "piece", item
                 item = next(pieces)
         except DisaggError as exc:
             log.warning("stream failed after it started: %s", exc.message)
@@ -133,13 +149,8 @@ def open_stream(req: GatewayRequest, api: str):
 def json_body():
     """The request's JSON body, or a 400/408/413 that says what is wrong with it. Any Content-Type is
     read as JSON (``curl -d`` sends a form's); the size and the time to send it are bounded as on
-    the servers (the config's ``server.max_request_bytes`` and ``server.body_timeout``)."""
+    the servers (the config's ``server.max_request_bytes`` and ``server.body_timeout``), and the JSON
+    is checked as they check it (``server/parse.py``'s ``parse_json``: nesting, duplicate keys, text)."""
     limits = state().config.server
-    data = read_body(limits["max_request_bytes"], limits["body_timeout"])
-    if not data:
-        raise BadRequest("request body is empty; send a JSON object", field="body")
-    try:
-        g.body = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"malformed JSON body: {exc}", field="body") from None
+    g.body = parse_json(read_body(limits["max_request_bytes"], limits["body_timeout"]))
     return g.body

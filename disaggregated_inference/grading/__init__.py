@@ -8,15 +8,16 @@
                     dropped; each criterion scored from its evidence (``scoring``), moved by the
                     model within a band; ``feedback`` grounded in the checks' findings.
 
-``grader.grade_notebook`` runs them for one file, ``batch.grade_batch`` for a folder (``jobs`` at once),
-``report`` writes what comes out. Importing this package loads no model library.
+``grader.grade_notebook`` runs them for one file, ``batch.grade_batch`` for a folder (``jobs`` at once,
+its requests paced to the cluster by ``pace``, stoppable), ``report`` writes what comes out. Importing
+this package loads no model library.
 """
-from .batch import BatchResult, StderrProgress, find_notebooks, grade_batch
+from .batch import BatchProgress, BatchResult, StderrProgress, find_notebooks, grade_batch
 from .grader import deterministic_part, grade_notebook
 from .options import GradingOptions
 from .report import gradebook_csv, render_markdown, summarize, write_batch_reports, write_result
 from .rubric import Criterion, EvidenceRules, Rubric, load_rubric, rubric_from_dict
 
-__all__ = ["BatchResult", "Criterion", "EvidenceRules", "GradingOptions", "Rubric", "StderrProgress",
+__all__ = ["BatchProgress", "BatchResult", "Criterion", "EvidenceRules", "GradingOptions", "Rubric", "StderrProgress",
            "deterministic_part", "find_notebooks", "grade_batch", "grade_notebook", "gradebook_csv", "load_rubric",
            "render_markdown", "rubric_from_dict", "summarize", "write_batch_reports", "write_result"]

@@ -3,7 +3,10 @@
 Both requests go out together through ``client.generate_many`` (they run in
 parallel on their own prefill/decode pairs), each constrained by a JSON schema
 (``json_schema=``) so the answer always parses, at temperature 0 with a fixed
-seed so a grade can be reproduced. A notebook too long for the models' context
+seed so a grade can be reproduced. A feedback model that reasons first (gpt-oss)
+does so at ``feedback_reasoning_effort`` (low by default), free, and only its
+answer is held to the schema; its reasoning is kept with the answer's metrics
+(the teacher's record), never used as feedback. A notebook too long for the models' context
 is shortened first, and the prompt says what was left out.
 """
 from __future__ import annotations
@@ -265,6 +268,8 @@ def plan_requests(rubric: Rubric, notebook, evidence: Evidence, checks, options:
         ModelRequest(FEEDBACK, {"model": options.feedback_model,
                                 "prompt": feedback_prompt(rubric, rendered, evidence, checks),
                                 "max_tokens": options.feedback_max_tokens, "json_schema": feedback_schema(),
+                                **({"reasoning_effort": options.feedback_reasoning_effort}
+                                   if options.feedback_reasoning_effort else {}),
                                 **common}),
     ]
     return requests, rendered

@@ -10,12 +10,16 @@ the models; tests of real answers go through ``DisaggregatedClient``.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import deque
 
 from ..client import overlap_figures
 
 FAKE_TIMES = {"code": (0.25, 0.75), "feedback": (0.5, 1.0)}  # (prefill, decode) seconds reported per role
+FAKE_SLOTS = 4  # slots each fake server reports, as /health's slots.total
+# what a reasoning model's metrics carry beside its answer; it must never reach a student
+FAKE_REASONING = "PRIVATE-CHAIN-OF-THOUGHT: the student seems weak; be gentle."
 
 
 def role_of(kwargs: dict) -> str:
@@ -62,7 +66,8 @@ class FakeGradingClient:
         self._servers = servers if servers is not None else [
             {"name": f"fake-{role}-{model}", "role": role, "model": model, "url": f"http://fake-{role}-{model}",
              "up": True, "failures": 0, "last_error": None, "last_checked": None, "latency_s": 0.001,
-             "outstanding": 0, "served": 0, "loaded": True, "backend": "fake", "handoff": None}
+             "outstanding": 0, "slots": FAKE_SLOTS, "served": 0, "loaded": True, "backend": "fake",
+             "handoff": None}
             for model in ("qwen", "gpt-oss") for role in ("prefill", "decode")]
 
     def _answer(self, role: str, kwargs: dict) -> str:
@@ -82,13 +87,19 @@ class FakeGradingClient:
         role = role_of(request)
         text = self._answer(role, request)
         prefill, decode = FAKE_TIMES[role]
+        return text, self._metrics(model, prompt, text, prefill, decode, request.get("reasoning_effort"))
+
+    def _metrics(self, model: str, prompt: str | None, text: str, prefill: float, decode: float,
+                 reasoning_effort: str | None = None) -> dict:
         metrics = {"prefill_time": prefill, "decode_time": decode, "total_time": prefill + decode,
                    "prompt_tokens": len(prompt or "") // 3, "completion_tokens": len(text) // 3,
                    "prefill_speed": 1000.0, "decode_speed": 50.0, "method": "disaggregated",
                    "prefill_server": f"fake-prefill-{model}", "decode_server": f"fake-decode-{model}",
                    "kv_bytes": 0, "finish_reason": "stop"}
+        if reasoning_effort:  # a model that reasons before it answers, as gpt-oss does
+            metrics.update(reasoning=FAKE_REASONING, reasoning_tokens=len(FAKE_REASONING) // 3)
         self.history.append({"time": time.time(), "model": model, **metrics})
-        return text, metrics
+        return metrics
 
     def generate_many(self, requests_: list[dict], max_workers=None) -> tuple[list, dict]:
         self.rounds.append([role_of(kwargs) for kwargs in requests_])
@@ -112,3 +123,66 @@ class FakeGradingClient:
 
     def close(self) -> None:
         pass
+
+
+class StreamingFakeClient(FakeGradingClient):
+    """The fake with ``stream`` (as ``DisaggregatedClient.stream``): it waits ``prefill_s``, calls
+    ``on_route``, then yields its answer in ``pieces`` pieces ``piece_s`` apart, then the metrics
+    (measured on the clock). It records how many streams of each model were open at once
+    (``most_open``), how many were in that prefill wait at once (``most_prefilling``), and how many
+    were closed before their end (``closed_early``: the grader cancelled them)."""
+
+    def __init__(self, *args, prefill_s: float = 0.0, piece_s: float = 0.0, pieces: int = 4, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prefill_s, self.piece_s, self.pieces = prefill_s, piece_s, pieces
+        self.lock = threading.Lock()
+        self.open: dict[str, int] = {}
+        self.most_open: dict[str, int] = {}
+        self.prefilling: dict[str, int] = {}
+        self.most_prefilling: dict[str, int] = {}
+        self.opened = 0
+        self.closed_early = 0
+
+    def piece_delay(self, index: int) -> float:
+        """Seconds between the pieces of the ``index``-th stream opened (from 0)."""
+        return self.piece_s
+
+    def stream(self, model: str, prompt: str | None = None, max_tokens: int = 256, temperature: float = 0.0,
+               on_route=None, **kwargs):
+        started = time.perf_counter()
+        request = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, **kwargs}
+        with self.lock:
+            self.calls.append(request)
+            index = self.opened
+            self.opened += 1
+            self.open[model] = self.open.get(model, 0) + 1
+            self.most_open[model] = max(self.most_open.get(model, 0), self.open[model])
+            self.prefilling[model] = self.prefilling.get(model, 0) + 1
+            self.most_prefilling[model] = max(self.most_prefilling.get(model, 0), self.prefilling[model])
+        try:
+            try:
+                text = self._answer(role_of(request), request)
+                time.sleep(self.prefill_s)
+            finally:
+                with self.lock:
+                    self.prefilling[model] -= 1
+            if on_route is not None:
+                on_route({"method": "kv_handoff", "prefill_server": f"fake-prefill-{model}",
+                          "decode_server": f"fake-decode-{model}", "kv_bytes": 0, "warnings": []})
+            step, pause = max(1, -(-len(text) // self.pieces)), self.piece_delay(index)
+            for at in range(0, len(text), step):
+                time.sleep(pause)
+                yield text[at:at + step]
+            prefill_time = self.prefill_s
+            elapsed = time.perf_counter() - started
+            metrics = self._metrics(model, prompt, text, prefill_time, elapsed - prefill_time,
+                                   request.get("reasoning_effort"))
+            metrics["total_time"] = round(elapsed, 6)
+            yield metrics
+        except GeneratorExit:  # closed by the caller before its end
+            with self.lock:
+                self.closed_early += 1
+            raise
+        finally:
+            with self.lock:
+                self.open[model] -= 1

@@ -30,7 +30,8 @@ RESULT_FORMAT = "grading-result/1"
 GRADED, NEEDS_REVIEW, INVALID, ERROR = "graded", "needs_review", "invalid", "error"
 FINAL_STATUSES = (GRADED, NEEDS_REVIEW, INVALID)  # an "error" result is graded again on the next run
 REQUEST_FIELDS = ("method", "prefill_time", "decode_time", "total_time", "prompt_tokens", "completion_tokens",
-                  "prefill_speed", "decode_speed", "prefill_server", "decode_server", "kv_bytes", "finish_reason")
+                  "prefill_speed", "decode_speed", "prefill_server", "decode_server", "kv_bytes", "finish_reason",
+                  "reasoning_tokens")
 
 
 def inference_summary(answers, rounds) -> dict:

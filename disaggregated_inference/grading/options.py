@@ -17,6 +17,9 @@ class GradingOptions:
     seed: int = DEFAULT_SEED
     code_max_tokens: int = 768
     feedback_max_tokens: int = 768
+    # how hard the feedback model thinks before its JSON (gpt-oss reasons first; models without a reasoning
+    # channel ignore it); its reasoning stays in the teacher's report, never in the student's feedback
+    feedback_reasoning_effort: str | None = "low"
     context_tokens: int = 4096        # the smaller context of the two models
     chars_per_token: float = 2.5      # a cautious estimate for code; keeps prompts inside the context
     output_chars: int = 300           # of each cell's text output shown to the models

@@ -34,14 +34,21 @@ def result_paths(out_dir, name: str) -> tuple[Path, Path]:
     return out_dir / f"{name}.json", out_dir / f"{name}.md"
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: a reader (or a run stopped
+    half-way) sees the old file or the new one, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
 def write_result(result: dict, out_dir) -> tuple[Path, Path]:
     """Write ``NAME.json`` (everything) and ``NAME.md`` (for people); return their paths."""
     json_path, md_path = result_paths(out_dir, result["submission"]["name"])
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = json_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    md_path.write_text(render_markdown(result), encoding="utf-8")
-    tmp.replace(json_path)  # the JSON last and atomically: it is what a resumed batch trusts
+    write_atomically(md_path, render_markdown(result))
+    # the JSON last: it is what a resumed batch trusts
+    write_atomically(json_path, json.dumps(result, indent=2, ensure_ascii=False) + "\n")
     return json_path, md_path
 
 
@@ -167,16 +174,35 @@ def gradebook_csv(results: list[dict]) -> str:
     return buffer.getvalue()
 
 
-def summarize(results: list[dict], skipped: int = 0) -> dict:
-    """Mean and spread of the totals, who needs review, and the cluster's time spent."""
+def run_inference(graded_now: list[dict], wall_time: float | None) -> dict:
+    """The requests of the notebooks graded in one run, against that run's wall time: their prefill and
+    decode time, their own times summed (``request_time``), and ``overlap`` = request time / wall time,
+    the mean number of requests in flight (``client.overlap_figures``)."""
+    request_time = sum(r["inference"]["request_time"] or 0.0 for r in graded_now)
+    return {
+        "requests": sum(len(r["inference"]["requests"]) for r in graded_now),
+        "prefill_time": round(sum(r["inference"]["prefill_time"] for r in graded_now), 3),
+        "decode_time": round(sum(r["inference"]["decode_time"] for r in graded_now), 3),
+        **overlap_figures(request_time, wall_time or 0.0),
+        "fallbacks": sum(r["inference"]["fallbacks"] for r in graded_now),
+    }
+
+
+def summarize(results: list[dict], run: dict | None = None, graded_now: list[dict] | None = None) -> dict:
+    """Mean and spread of the totals, who needs review; ``run`` (this run's clock figures, from
+    ``batch.grade_batch``) and ``inference``: the requests of the notebooks graded in this run
+    (``graded_now``; default all) against its wall time. Each notebook's own figures stay in its result."""
     totals = [r["total"] for r in results if r["total"] is not None]
     percents = [r["percent"] for r in results if r["percent"] is not None]
-    rounds_wall = sum(r["inference"]["wall_time"] for r in results)
-    request_time = sum(r["inference"]["request_time"] for r in results)
+    graded_now = results if graded_now is None else graded_now
+    inf = run_inference(graded_now, (run or {}).get("wall_time_s"))
+    if run:
+        run = {**run, "request_time_s": inf["request_time"], "requests_in_flight": inf["overlap"],
+               "fallbacks": inf["fallbacks"]}
     return {
         "submissions": len(results),
         "graded": len(totals),
-        "resumed": skipped,
+        "resumed": (run or {}).get("kept", 0),
         "by_status": {s: sum(1 for r in results if r["status"] == s)
                       for s in sorted({r["status"] for r in results})},
         "max_points": results[0]["max_points"] if results else None,
@@ -188,14 +214,28 @@ def summarize(results: list[dict], skipped: int = 0) -> dict:
         "mean_percent": round(statistics.fmean(percents), 1) if percents else None,
         "flagged": [{"submission": r["submission"]["name"], "status": r["status"], "reasons": r["review_reasons"]}
                     for r in results if r["needs_review"]],
-        "inference": {
-            "requests": sum(len(r["inference"]["requests"]) for r in results),
-            "prefill_time": round(sum(r["inference"]["prefill_time"] for r in results), 3),
-            "decode_time": round(sum(r["inference"]["decode_time"] for r in results), 3),
-            **overlap_figures(request_time, rounds_wall),
-            "fallbacks": sum(r["inference"]["fallbacks"] for r in results),
-        },
+        "run": run or {},
+        "inference": inf,
     }
+
+
+def run_lines(run: dict, inf: dict) -> list[str]:
+    """This run in words: when, how long, how fast, and what the cluster did."""
+    if not run:
+        return []
+    lines = [f"- this run: {run['graded']} graded, {run['kept']} kept from an earlier run"
+             + (f", {run['not_graded']} not graded (stopped; run again to continue)" if run.get("stopped") else "")
+             + f"; {_n(run['wall_time_s'], 1)} s from {run['started_at']} to {run['ended_at']}"
+             + (f" ({_n(run['notebooks_per_minute'], 2)} notebooks per minute, --jobs {run['jobs']})"
+                if run.get("notebooks_per_minute") else "")]
+    if inf["requests"]:
+        lines.append(f"- its requests: {inf['requests']}, prefill {_n(inf['prefill_time'], 2)} s, decode "
+                     f"{_n(inf['decode_time'], 2)} s; {describe_overlap(inf)}"
+                     + (f"; {inf['fallbacks']} decode-only fallbacks" if inf["fallbacks"] else ""))
+    for event in run.get("servers_marked_down") or []:
+        lines.append(f"- server {event['server']} marked down at {event['at_s']} s: {event['error']}"
+                     + (f" (up again at {event['up_again_at_s']} s)" if event.get("up_again_at_s") is not None else ""))
+    return lines
 
 
 def render_summary_markdown(summary: dict, results: list[dict]) -> str:
@@ -207,9 +247,7 @@ def render_summary_markdown(summary: dict, results: list[dict]) -> str:
              f"median {_n(summary['median'])}, standard deviation {_n(summary['stdev'])}, "
              f"range {_n(summary['min'])} to {_n(summary['max'])}",
              "- by status: " + ", ".join(f"{k} {v}" for k, v in summary["by_status"].items()),
-             f"- inference: {inf['requests']} requests, prefill {_n(inf['prefill_time'], 2)} s, decode "
-             f"{_n(inf['decode_time'], 2)} s; {describe_overlap(inf)}"
-             + (f"; {inf['fallbacks']} decode-only fallbacks" if inf["fallbacks"] else ""), ""]
+             *run_lines(summary.get("run") or {}, inf), ""]
     if summary["flagged"]:
         lines += ["## Needs human review", ""]
         for f in summary["flagged"]:
@@ -221,12 +259,14 @@ def render_summary_markdown(summary: dict, results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_batch_reports(results: list[dict], out_dir, skipped: int = 0) -> dict:
-    """``gradebook.csv``, ``summary.json`` and ``summary.md`` in ``out_dir``; returns the summary."""
+def write_batch_reports(results: list[dict], out_dir, run: dict | None = None,
+                        graded_now: list[dict] | None = None) -> dict:
+    """``gradebook.csv``, ``summary.json`` and ``summary.md`` in ``out_dir`` (each written whole or not at
+    all); returns the summary (``summarize``)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary = summarize(results, skipped)
-    (out_dir / "gradebook.csv").write_text(gradebook_csv(results), encoding="utf-8")
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    (out_dir / "summary.md").write_text(render_summary_markdown(summary, results), encoding="utf-8")
+    summary = summarize(results, run, graded_now)
+    write_atomically(out_dir / "gradebook.csv", gradebook_csv(results))
+    write_atomically(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    write_atomically(out_dir / "summary.md", render_summary_markdown(summary, results))
     return summary

@@ -31,7 +31,7 @@ import struct
 import numpy as np
 
 from ..errors import BundleError
-from .neutral import NeutralKV
+from .neutral import NeutralKV, check_import, decode, encode, reorder_head_dim, to_float32
 
 # ggml type ids of the cache types we convert, and their neutral names
 GGML_TYPES = {0: "f32", 1: "f16", 30: "bf16"}
@@ -167,7 +167,29 @@ def from_neutral(kv: NeutralKV, *, v_trans: bool) -> bytearray:
 
 # llama.cpp RoPE per GGUF architecture, for the archs converted here: llama-family GGUF files had their
 # Q/K rows permuted by the converter, so llama.cpp rotates interleaved pairs ("norm") of K as it caches it.
-ARCH_ROPE = {"llama": ("norm", "interleaved")}
+# The Qwen 3 families are converted with their rows as the checkpoint has them and rotated NEOX-style
+# (llama.cpp's llama_model_rope_type): K is cached in "halves" order, as vLLM and Transformers cache the
+# checkpoint's. That the two engines' K then agree is read from both sources, not yet measured across
+# engines here (no second engine runs qwen3moe in CI); a wrong order is what the canary refuses.
+ARCH_ROPE = {"llama": ("norm", "interleaved"), "qwen3": ("neox", "halves"), "qwen3moe": ("neox", "halves")}
+
+
+def llama_layout(metadata: dict, field: str = "kv_kind") -> dict:
+    """The neutral layout of a llama.cpp cache (``n_layer``, ``n_kv_heads``, ``head_dim_k``/``head_dim_v``,
+    ``head_dim_order``, ``rope``) from its GGUF's key/value metadata, for the architectures converted here."""
+    arch = metadata.get("general.architecture")
+    if arch not in ARCH_ROPE:
+        raise BundleError(f"converting {arch!r} state to or from neutral_kv is not supported (known: "
+                          f"{', '.join(ARCH_ROPE)})", field=field)
+    style, order = ARCH_ROPE[arch]
+    n_head = int(metadata[f"{arch}.attention.head_count"])
+    head_dim = int(metadata[f"{arch}.embedding_length"]) // n_head
+    return {"n_layer": int(metadata[f"{arch}.block_count"]),
+            "n_kv_heads": int(metadata.get(f"{arch}.attention.head_count_kv", n_head)),
+            "head_dim_k": int(metadata.get(f"{arch}.attention.key_length", head_dim)),
+            "head_dim_v": int(metadata.get(f"{arch}.attention.value_length", head_dim)),
+            "head_dim_order": order,
+            "rope": {"theta": float(metadata.get(f"{arch}.rope.freq_base", 10000.0)), "style": style}}
 
 
 def llama_state_as_neutral(state, metadata: dict, model_sha256: str) -> tuple[dict, bytearray]:
@@ -176,15 +198,44 @@ def llama_state_as_neutral(state, metadata: dict, model_sha256: str) -> tuple[di
     ``metadata`` is the GGUF file's key/value metadata (``llama_cpp.Llama.metadata``):
     it gives the KV head count and the RoPE base the state itself does not carry.
     """
-    from .neutral import encode
-
-    arch = metadata.get("general.architecture")
-    if arch not in ARCH_ROPE:
-        raise BundleError(f"converting {arch!r} state to neutral_kv is not supported (known: {', '.join(ARCH_ROPE)})",
-                          field="kv_kind")
-    style, order = ARCH_ROPE[arch]
-    n_head = int(metadata[f"{arch}.attention.head_count"])
-    kv, _ = to_neutral(state, n_kv_heads=int(metadata.get(f"{arch}.attention.head_count_kv", n_head)),
-                       rope={"theta": float(metadata.get(f"{arch}.rope.freq_base", 10000.0)), "style": style},
-                       head_dim_order=order, model={"model_sha256": model_sha256, "arch": arch})
+    layout = llama_layout(metadata)
+    kv, _ = to_neutral(state, n_kv_heads=layout["n_kv_heads"], rope=layout["rope"],
+                       head_dim_order=layout["head_dim_order"],
+                       model={"model_sha256": model_sha256, "arch": metadata.get("general.architecture")})
     return encode(kv)
+
+
+def neutral_as_llama_state(meta: dict, payload, metadata: dict, identity: dict, *, n_kv_tokens: int, type_k: str,
+                           type_v: str, v_trans: bool) -> bytearray:
+    """A neutral bundle as the llama.cpp sequence state a context of these cache types reads (the
+    single-stream form, kv/llama_state.py), after the checks a neutral import makes everywhere: the
+    weights (``identity``: model_sha256, arch), the shapes, the positions and the token count. K
+    arriving in "halves" order is permuted into llama.cpp's; values are converted to the cache type
+    (f32, f16 or bf16, the same for K and V; quantized caches are refused, naming the key)."""
+    for key, wanted in (("type_k", type_k), ("type_v", type_v)):
+        if wanted not in GGML_IDS:
+            raise BundleError(f"this server's {key} is {wanted}: neutral K/V is written into f32, f16 or bf16 "
+                              "caches only", field=key)
+    if type_k != type_v:
+        raise BundleError(f"type_k {type_k} and type_v {type_v} differ: a neutral import writes one cache type",
+                          field="type_v")
+    layout = llama_layout(metadata, field="kv")
+    meta, _ = check_import(meta, identity, layout, n_kv_tokens)
+    if n_kv_tokens == 0:
+        raise BundleError("the bundle carries no cached tokens; send the token ids instead",
+                          field="meta.neutral.n_kv_tokens")
+    kv = reorder_head_dim(decode(meta, payload), layout["head_dim_order"])
+    if kv.dtype != type_k:
+        kv = NeutralKV([_cache_values(k, kv.dtype, type_k) for k in kv.keys],
+                       [_cache_values(v, kv.dtype, type_k) for v in kv.values], dtype=type_k, pos_start=kv.pos_start,
+                       rope=kv.rope, head_dim_order=kv.head_dim_order, model=kv.model)
+    return from_neutral(kv, v_trans=v_trans)
+
+
+def _cache_values(array: np.ndarray, dtype: str, cache_type: str) -> np.ndarray:
+    """An array of neutral ``dtype`` as ``cache_type`` (bf16: float32 rounded to nearest even, as raw bits)."""
+    x = to_float32(array, dtype)
+    if cache_type == "bf16":
+        bits = x.view(np.uint32)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return x.astype(_NP[cache_type])

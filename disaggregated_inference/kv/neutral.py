@@ -240,3 +240,19 @@ def check_shape(meta: dict, expected: dict, reorder: bool = False) -> bool:
         raise BundleError(f"rope theta {rope.get('theta')!r} in the bundle; this model uses {want['theta']!r}",
                           field="meta.neutral.rope")
     return "head_dim_order" in expected and meta.get("head_dim_order") != expected["head_dim_order"]
+
+
+def check_import(meta: dict, identity: dict, expected: dict, n_kv_tokens: int) -> tuple[dict, bool]:
+    """Every check a receiver makes before it imports a neutral bundle, each naming its field: the meta's
+    form, the weights (``identity``), the shapes and conventions against ``expected`` (K may arrive in
+    the other head-dim order), positions from 0, and ``n_kv_tokens`` cached tokens. Returns the meta and
+    whether K must be permuted into ``expected["head_dim_order"]``."""
+    meta = validate_meta(meta)
+    check_model(identity, meta["model"])
+    permute = check_shape(meta, expected, reorder=True)
+    if meta["pos_start"] != 0:
+        raise _bad(f"pos_start is {meta['pos_start']}; the cache must start at position 0", "pos_start")
+    if meta["n_kv_tokens"] != n_kv_tokens:
+        raise _bad(f"n_kv_tokens is {meta['n_kv_tokens']} but the bundle's token ids need {n_kv_tokens}",
+                   "n_kv_tokens")
+    return meta, permute

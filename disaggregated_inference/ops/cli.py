@@ -91,6 +91,7 @@ def _print_metrics(metrics: dict) -> None:
     rows = [("method", metrics.get("method")),
             ("prefill server", metrics.get("prefill_server")), ("decode server", metrics.get("decode_server")),
             ("prompt tokens", metrics.get("prompt_tokens")), ("completion tokens", metrics.get("completion_tokens")),
+            *([("of them reasoning", metrics["reasoning_tokens"])] if metrics.get("reasoning_tokens") else []),
             ("prefill", _fmt_phase(metrics.get("prefill_time"), metrics.get("prefill_speed"))),
             ("decode", _fmt_phase(metrics.get("decode_time"), metrics.get("decode_speed"))),
             ("KV handed over", _fmt_bytes(metrics.get("kv_bytes"), metrics.get("kv_transfer_time"))),
@@ -129,18 +130,21 @@ def cmd_generate(args) -> int:
     prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
     with DisaggregatedClient(args.config, health_check=False) as client:
         text, metrics = client.generate(model=args.model, prompt=prompt, max_tokens=args.max_tokens,
-                                        temperature=args.temperature, seed=args.seed)
+                                        temperature=args.temperature, seed=args.seed,
+                                        reasoning_effort=args.reasoning_effort)
     _print_result(args.model, text, metrics, args.json)
     return 0
 
 
 def base_models(client) -> set:
     """Model keys whose decode servers run a GGUF without a chat template of its own (a base model:
-    the server applies a built-in template, which does not make it follow instructions)."""
+    the server applies a built-in template, which does not make it follow instructions). A model the
+    server renders in its own format (gpt-oss's harmony) is no base model."""
     client.check_health()
     infos = [(s.entry.model, s.health.get("model_info") or {}) for s in client.servers.values()
              if s.entry.role == "decode"]
-    return {model for model, info in infos if "chat_template" in info and info["chat_template"] != "gguf"}
+    return {model for model, info in infos if "chat_template" in info and info["chat_template"] != "gguf"
+            and info.get("chat_format") != "harmony"}
 
 
 def demo_job(model: str, base: bool, max_tokens: int) -> dict:
@@ -303,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--reasoning-effort", choices=("low", "medium", "high"),
+                   help="how long a reasoning model (gpt-oss) thinks; --json shows its reasoning")
     p.add_argument("--json", action="store_true", help="print the raw result as JSON")
     p.set_defaults(func=cmd_generate)
 

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -142,6 +143,7 @@ class LocalCluster:
                                   "starts servers on this machine (use scripts/start_*.sh for remote ones)")
         self.processes: list[ServerProcess] = []
         self.entries, self._free_ports = entries, free_ports
+        self._run = uuid.uuid4().hex[:12]
         self.gateway: GatewayProcess | None = None
         self._with_gateway = gateway
         if gateway and cfg.gateway["host"] not in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
@@ -159,6 +161,8 @@ class LocalCluster:
             peers = [replace(e, port=ports.get(e.name, e.port)) for e in self.source.prefill_servers]
             for entry, sock in bound:
                 settings = from_cluster(self.source, entry.name, prefill_entries=peers)
+                if settings.core_group:  # this cluster's servers share cores with each other, not another's
+                    settings = replace(settings, core_group=f"{settings.core_group}#{self._run}")
                 check_exposure(settings, entry.url.split("://", 1)[1])  # 0.0.0.0 without a token: refused
                 proc = ServerProcess(entry, settings, sock, self.log_dir / f"{entry.name}.log")
                 proc.start(self.env)

@@ -25,10 +25,13 @@ from dataclasses import asdict, dataclass, field
 import requests
 
 from ..kv import fingerprint as fp
+from ..kv import neutral
 
 PROMPT_LENGTHS = (2048, 8192, 32768)
 MAX_CLOCK_SKEW_S = 5.0
 SAMPLE_PROMPT = "The quarterly sales report lists revenue by region, product line and month. " * 8
+
+KV_KINDS = ("llama_seq_state", "neutral_kv")  # the kinds that move KV (token_ids recomputes)
 
 
 @dataclass
@@ -71,7 +74,7 @@ class Doctor:
         for model in self.cfg.models:
             prefills = [e for e in self.cfg.prefill_servers if e.model == model and health.get(e.name)]
             decodes = [e for e in self.cfg.decode_servers if e.model == model and health.get(e.name)]
-            handing_over = [e for e in prefills if health[e.name].get("handoff") == "llama_seq_state"]
+            handing_over = [e for e in prefills if health[e.name].get("handoff") in KV_KINDS]
             per_token = self._kv_bytes_per_token(handing_over[0]) if handing_over else None
             for p in prefills:
                 for d in decodes:
@@ -156,18 +159,26 @@ class Doctor:
         row = {"model": model, "prefill": p.name, "decode": d.name, "compatible": True}
         self.report.pairs.append(row)
         ours, theirs = d_health.get("fingerprint") or {}, p_health.get("fingerprint") or {}
-        diffs = fp.differences(ours, theirs)
+        kind, accepts = p_health.get("handoff"), d_health.get("accepts") or ()
+        if kind == "neutral_kv" or (kind == "llama_seq_state" and kind not in accepts and "neutral_kv" in accepts):
+            # another engine's K/V (or llama.cpp's, converted for the decoder): only the weights must agree
+            diffs = [f"{key}: bundle has {theirs.get(key)!r}, this server has {ours.get(key)!r}"
+                     for key in neutral.MODEL_KEYS if ours.get(key) != theirs.get(key)]
+            row["kind"] = "neutral_kv"
+        else:
+            diffs = fp.differences(ours, theirs)
         if diffs:
             row["compatible"] = False
             self.problem(where, "the decode server would refuse every bundle: "
                          + "; ".join(diff.replace("bundle has", "prefill has").replace("this server", "decode")
                                      for diff in diffs),
+                         "load the same GGUF file on both" if row.get("kind") == "neutral_kv" else
                          "run the same llama-cpp-python version, model file, flash_attn and type_k/type_v on both")
         if isinstance(ours.get("n_ctx"), int) and isinstance(theirs.get("n_ctx"), int) and ours["n_ctx"] < theirs["n_ctx"]:
             row["compatible"] = False
             self.problem(where, f"decode n_ctx {ours['n_ctx']} < prefill n_ctx {theirs['n_ctx']}: prompts in "
                          "between prefill and then fail on the decode server", "give both the same n_ctx")
-        if p_health.get("handoff") != "llama_seq_state":
+        if kind not in KV_KINDS:
             row["path"] = "token ids only (prompt recomputed)"
             return
         self._measure_path(where, p, d, row, per_token)

@@ -3,7 +3,8 @@
 ``disagg serve`` (what the systemd and launchd units run) and ``disagg up``
 (the local cluster) both start servers through ``server_command``, so a server
 runs the same way under either. The environment carries the process's tuning
-(``tuning.py``): glibc's non-temporal copy threshold and OpenMP's wait policy,
+(``tuning.py``): glibc's non-temporal copy threshold and OpenMP's wait policy (with the
+cores shared between co-hosted llama.cpp servers: ``server/cores.py``),
 both read by the libraries only when the process starts.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 from ..config import is_loopback
 from ..errors import ConfigError
 from ..server.settings import engine_threads
-from ..tuning import openmp_wait, with_copy_tunable
+from ..tuning import openmp_environment, openmp_wait, with_copy_tunable
 
 
 def check_exposure(settings, bind: str, insecure: bool = False) -> None:
@@ -35,8 +36,10 @@ def server_command(settings, bind: str, environ=None) -> tuple[list[str], dict]:
     env.update(DISAGG_SERVER_SETTINGS=settings.to_json(), DISAGG_BIND=bind, DISAGG_PROC_NAME=f"disagg-{settings.name}",
                DISAGG_THREADS=str(settings.threads))
     env = with_copy_tunable(env, settings.non_temporal_copy_bytes)
-    if openmp_wait(settings.openmp_wait, engine_threads(settings.model)) == "sleep":
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read by libgomp when llama.cpp (or torch) loads
+    if not any(key in env for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):  # an operator's own wins
+        shared = bool(settings.core_group)  # read by libgomp when llama.cpp (or torch) loads
+        env.update(openmp_environment(openmp_wait(settings.openmp_wait, engine_threads(settings.model), shared=shared),
+                                      shared))
     return [sys.executable, "-m", "gunicorn", "-c", "python:disaggregated_inference.server.gunicorn_conf"], env
 
 

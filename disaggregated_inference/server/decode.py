@@ -3,7 +3,15 @@
 Endpoints: ``GET /health``; ``POST /decode`` (a prefill's KV reference, pulled
 from the prefill server, or bare token ids, recomputed); ``POST /generate``
 (prompt -> text entirely on this machine). Both answer JSON, or NDJSON with
-``"stream": true``: one line per text piece, then a final line with metrics.
+``"stream": true``: one line per text piece, then a final line with metrics;
+with ``"progress": true`` as well, heartbeat lines until the first piece and
+between slow ones, and errors as the last line (``progress.py``).
+
+A model that reasons or calls tools (its chat format reads them apart, chat/)
+answers them beside the text: ``reasoning`` (its chain of thought, never in
+``generated_text``) and ``tool_calls`` (``{"name", "arguments"}``, the
+arguments as JSON text); a stream has ``{"reasoning": ...}`` and
+``{"tool_call": ...}`` lines between its ``{"text": ...}`` lines.
 """
 from __future__ import annotations
 
@@ -15,7 +23,7 @@ from functools import partial
 
 from flask import Flask
 
-from . import probe, web
+from . import probe, progress, web
 from ..kv import fingerprint, trust
 from .parse import parse_decode, parse_generate
 from ..backends.base import Received
@@ -70,6 +78,34 @@ def check_vocabulary(tokens, backend) -> None:
         raise BadRequest(f"'tokens' holds id {max(tokens)}, beyond this model's vocabulary of {size}", field="tokens")
 
 
+def _finish(metrics: dict, extra: dict, first_at: float | None, received_at: float, observe) -> dict:
+    out = {**extra, **metrics}
+    out["ttft"] = round(first_at - received_at, 6) if first_at is not None else None
+    out["server_time"] = round(time.perf_counter() - received_at, 6)
+    observe(out)
+    return out
+
+
+def event_lines(events, received_at: float, extra: dict, observe, status=None, head=None,
+                first_at: float | None = None):
+    """A backend's events as NDJSON lines: ``{"text", "done": false}`` per piece (``reasoning`` and
+    ``tool_call`` lines for those, ``_line``), then ``{"done": true,
+    "finish_reason", "metrics"}``; counts the pieces in ``status`` (a request's Progress), if given.
+    ``head``: the first event, taken from ``events`` before these lines began (at ``first_at``)."""
+    try:
+        for event in itertools.chain([head] if head is not None else [], events):
+            if event.done:
+                metrics = _finish(event.metrics, extra, first_at, received_at, observe)
+                yield {"done": True, "finish_reason": metrics.pop("finish_reason", None), "metrics": metrics}
+            else:
+                first_at = first_at or time.perf_counter()
+                if status is not None:
+                    status.phase, status.generated = "decode", status.generated + 1
+                yield _line(event)
+    finally:
+        events.close()
+
+
 def run_events(events, received_at: float, extra: dict, stream: bool, observe=lambda metrics: None):
     """Turn a backend's event stream into the JSON or NDJSON answer.
 
@@ -79,46 +115,47 @@ def run_events(events, received_at: float, extra: dict, stream: bool, observe=la
     checksum, a prompt too long for the context) is answered with its status
     code, and only what fails later becomes the stream's last line.
     """
-    def finish(metrics: dict, first_at: float | None) -> dict:
-        out = {**extra, **metrics}
-        out["ttft"] = round(first_at - received_at, 6) if first_at is not None else None
-        out["server_time"] = round(time.perf_counter() - received_at, 6)
-        observe(out)
-        return out
-
     if not stream:
-        pieces, first_at, metrics = [], None, {}
+        pieces, reasoning, calls, first_at, metrics = [], [], [], None, {}
         for event in events:
             if event.done:
                 metrics = event.metrics
+                continue
+            first_at = first_at or time.perf_counter()
+            if event.reasoning is not None:
+                reasoning.append(event.reasoning)
+            elif event.tool_call is not None:
+                calls.append(event.tool_call)
             else:
-                first_at = first_at or time.perf_counter()
                 pieces.append(event.piece)
-        metrics = finish(metrics, first_at)
-        return web.json_response({"generated_text": "".join(pieces), "finish_reason": metrics.pop("finish_reason", None),
-                                  "metrics": metrics})
+        metrics = _finish(metrics, extra, first_at, received_at, observe)
+        body = {"generated_text": "".join(pieces)}
+        if reasoning:
+            body["reasoning"] = "".join(reasoning)
+        if calls:
+            body["tool_calls"] = calls
+        return web.json_response({**body, "finish_reason": metrics.pop("finish_reason", None), "metrics": metrics})
 
     head = next(events, None)  # errors before the first event propagate from here
-    head_at = time.perf_counter()
+    head_at = time.perf_counter() if head is not None and not head.done else None
 
     def lines():
-        first_at = None
         try:
-            for event in itertools.chain([head] if head is not None else [], events):
-                if event.done:
-                    metrics = finish(event.metrics, first_at)
-                    yield {"done": True, "finish_reason": metrics.pop("finish_reason", None), "metrics": metrics}
-                else:
-                    first_at = first_at or (head_at if event is head else time.perf_counter())
-                    yield {"text": event.piece, "done": False}
-        except DisaggError as exc:
-            yield {**exc.to_dict(), "done": True}
+            yield from event_lines(events, received_at, extra, observe, head=head, first_at=head_at)
         except Exception as exc:  # the stream has started: report in-band, keep serving
-            log.exception("stream failed")
-            yield {"error": f"internal error: {type(exc).__name__}: {exc}", "code": "internal_error", "done": True}
+            yield progress.error_line(exc)
         finally:
             events.close()
     return web.ndjson(lines())
+
+
+def _line(event) -> dict:
+    """A stream's line for one piece of a generation: of the answer, of the reasoning, or a tool call."""
+    if event.reasoning is not None:
+        return {"reasoning": event.reasoning, "done": False}
+    if event.tool_call is not None:
+        return {"tool_call": event.tool_call, "done": False}
+    return {"text": event.piece, "done": False}
 
 
 def create_app(config=None, backend=None) -> Flask:
@@ -139,9 +176,25 @@ def create_app(config=None, backend=None) -> Flask:
             trust.check_source(req.kv.url, settings.trusted_kv_sources)
         if req.tokens is not None:
             check_vocabulary(req.tokens, st.backend)
+        return answer(req, received_at, lambda status: decoding(req, received_at, status))
+
+    def answer(req, received_at: float, start):
+        """``start(status) -> (events, extra)`` answered as the request asked: with heartbeats (``progress``:
+        the whole of it runs on a helper thread), as a stream, or whole."""
+        if req.progress:
+            def work(status):
+                events, extra = start(status)
+                return event_lines(events, received_at, extra, st.metrics.observe_decode, status)
+            return web.ndjson(progress.lines(work))
+        events, extra = start(progress.Progress())
+        return run_events(events, received_at, extra, req.stream, st.metrics.observe_decode)
+
+    def decoding(req, received_at: float, status):
         # a slot first: a server that cannot serve the request now must not consume the lease
+        status.phase = "queued"
         reservation = st.owner.reserve()
         try:
+            status.phase = "fetching"
             received, extra = _receive(req)
         except BaseException:
             reservation.release()
@@ -149,10 +202,13 @@ def create_app(config=None, backend=None) -> Flask:
         extra["queue_time"] = round(reservation.waited, 6)
         extra["handoff"] = received.kind
         extra["kv_fetch_to_queue_time"] = round(time.perf_counter() - received_at, 6)
+        if received.kind == KIND_TOKEN_IDS:  # the prompt is evaluated here
+            status.phase, status.tokens = "prefill", max(0, len(received.tokens) - 1)
+        else:
+            status.phase = "importing"
         # the job holds the only reference to the bundle; the backend drops its payload once imported
-        events = st.owner.stream(partial(_decode_job, received, req.sampling, pool, st.metrics), reservation)
-        del received
-        return run_events(events, received_at, extra, req.stream, st.metrics.observe_decode)
+        return st.owner.stream(partial(_decode_job, received, req.sampling, pool, st.metrics), reservation,
+                               status), extra
 
     def _receive(req):
         extra: dict = {}
@@ -185,10 +241,20 @@ def create_app(config=None, backend=None) -> Flask:
         req = parse_generate(web.json_body(), web.request_limits())
         web.check_model(req.model)
         check_supported(req.sampling, st.backend)
-        events = st.owner.stream(lambda backend, cancelled: backend.generate(req.prompt, req.sampling, cancelled))
+        return answer(req, received_at, lambda status: generating(req, status))
+
+    def generating(req, status):
+        status.phase = "tokenizing"  # on this request's thread, never the model's
+        prompt, tokenize_time = web.tokenized(st, req.prompt)
+        status.phase, status.tokens = "queued", len(prompt.tokens) - 1 if prompt.tokens is not None else None
+        events = st.owner.stream(lambda backend, cancelled: backend.generate(prompt, req.sampling, cancelled),
+                                 progress=status)
+        status.phase = "prefill"
         st.metrics.decode_only.inc()
-        return run_events(events, received_at, {"handoff": "none", "kv_bytes": 0, "queue_time": round(events.queue_time, 6)},
-                          req.stream, st.metrics.observe_decode)
+        extra = {"handoff": "none", "kv_bytes": 0, "queue_time": round(events.queue_time, 6)}
+        if tokenize_time is not None:
+            extra["tokenize_time"] = tokenize_time
+        return events, extra
 
     probe.register_decode(app, settings, st.metrics)  # POST /kv/probe: measure the path from a prefill server
     return app

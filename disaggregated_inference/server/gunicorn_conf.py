@@ -1,15 +1,19 @@
 """Gunicorn settings for a prefill or decode server (``-c python:disaggregated_inference.server.gunicorn_conf``).
 
 One worker process per server: the model lives in that process, owned by one
-thread, and the KV leases live in its memory. ``gthread`` request threads queue
-work for the model thread; long generations do not trip the worker timeout
-because the worker's heartbeat runs on its own thread.
+thread, and the KV leases live in its memory. The worker is gunicorn's
+``gthread`` with each request buffered before it gets a thread
+(``server/worker.py``: a slow client holds no request thread, and one that does
+not send its headers within ``server.header_timeout`` is closed); its request
+threads queue work for the model thread; long generations do not trip the
+worker timeout because the worker's heartbeat runs on its own thread.
 """
 import os
 
 bind = os.environ.get("DISAGG_BIND", "127.0.0.1:8000")
 workers = 1
-worker_class = "gthread"
+# DISAGG_WORKER_CLASS=gthread: gunicorn's own, without the buffering (benchmarks/slow_clients.py compares them)
+worker_class = os.environ.get("DISAGG_WORKER_CLASS", "disaggregated_inference.server.worker.BufferedThreadWorker")
 threads = int(os.environ.get("DISAGG_THREADS", "32"))
 timeout = int(os.environ.get("DISAGG_WORKER_TIMEOUT", "120"))
 graceful_timeout = 20

@@ -13,6 +13,10 @@ the ``Eval`` requests of all of them and the backend evaluates them in one batch
 (continuous batching: requests join and leave between steps). Other backends (Ollama, which batches behind its own
 API) run each request to its end on one of ``slots`` worker threads.
 
+With ``cores`` (a ``cores.CoreShare``), the owner takes its share of the machine's cores before
+every step and says when it has nothing to compute, so that servers sharing a machine compute
+with as many threads as fit its cores (``server/cores.py``).
+
 The owner thread also loads the model, so a server answers /health while loading.
 At interpreter exit (a worker told to stop) the owner is stopped and joined, so the
 model is freed on its own thread before the process finalizes: an engine whose state
@@ -50,8 +54,9 @@ class Reservation:
 
 
 class _Job:
-    def __init__(self, fn, streaming: bool, reservation: Reservation):
+    def __init__(self, fn, streaming: bool, reservation: Reservation, progress=None):
         self.fn, self.streaming, self.reservation = fn, streaming, reservation
+        self.progress = progress  # a request's Progress (progress.py): the prompt tokens evaluated are counted
         self.out: queue.Queue = queue.Queue()
         self.cancelled = False
         self.queue_time = reservation.waited
@@ -84,8 +89,10 @@ class _Task:
 
 
 class ModelOwner:
-    def __init__(self, backend, queue_timeout: float = 30.0, max_queue: int = 64):
+    def __init__(self, backend, queue_timeout: float = 30.0, max_queue: int = 64, cores=None):
         self.backend = backend
+        self.cores = cores
+        self.compute_threads: int | None = None  # set through cores before each step
         self.queue_timeout = queue_timeout
         self.max_queue = max_queue
         self.slots = getattr(backend, "slots", 1)
@@ -167,26 +174,29 @@ class ModelOwner:
 
     # -- submitting work -------------------------------------------------------------------------
 
-    def _submit(self, fn, streaming: bool, reservation: Reservation | None) -> _Job:
-        job = _Job(fn, streaming, reservation or self.reserve())
+    def _submit(self, fn, streaming: bool, reservation: Reservation | None, progress=None) -> _Job:
+        job = _Job(fn, streaming, reservation or self.reserve(), progress)
         self._jobs.put(job)
         return job
 
-    def call(self, fn: Callable, reservation: Reservation | None = None):
-        """Run ``fn(backend)`` with a slot and return its result (a batched backend's generator is driven)."""
-        job = self._submit(fn, False, reservation)
+    def call(self, fn: Callable, reservation: Reservation | None = None, progress=None):
+        """Run ``fn(backend)`` with a slot and return its result (a batched backend's generator is driven).
+        With ``progress`` (a request's ``Progress``), the prompt tokens a batched backend evaluates for it
+        are counted there as they are."""
+        job = self._submit(fn, False, reservation, progress)
         kind, value = job.out.get()
         if kind == "error":
             raise value
         return value
 
-    def stream(self, fn: Callable, reservation: Reservation | None = None) -> Iterator:
+    def stream(self, fn: Callable, reservation: Reservation | None = None, progress=None) -> Iterator:
         """Run ``fn(backend, cancelled)`` (a generator) with a slot; yield its events.
 
         The slot is held (or a full queue or a loading model reported) before this
         returns; closing the iterator early (a client went away) cancels the job.
+        ``progress`` as for ``call``.
         """
-        return _JobStream(self._submit(fn, True, reservation))
+        return _JobStream(self._submit(fn, True, reservation, progress))
 
     def close(self) -> None:
         self._jobs.put(_STOP)
@@ -214,6 +224,8 @@ class ModelOwner:
                 self._serve_threads()
         finally:
             self.backend.close()
+            if self.cores is not None:
+                self.cores.close()
 
     def _serve_threads(self) -> None:
         def worker():
@@ -239,6 +251,8 @@ class ModelOwner:
     def _serve_batched(self) -> None:
         active: list[_Task] = []
         while True:
+            if not active and self.cores is not None:
+                self.cores.idle()
             try:  # wait for work only when there is nothing to step
                 job = self._jobs.get(block=not active)
             except queue.Empty:
@@ -260,6 +274,10 @@ class ModelOwner:
             self.active = len(active)
             if not pending:
                 continue
+            before = [t.pending.done for t in pending]
+            if self.cores is not None:
+                self._take_cores()
+                wall, cpu = time.perf_counter(), time.thread_time()
             try:
                 n = self.backend.evaluate([t.pending for t in pending])
             except Exception as exc:
@@ -267,12 +285,23 @@ class ModelOwner:
                 for task in pending:
                     self._finish(task, active, ("error", exc))
                 continue
+            if self.cores is not None:
+                self.cores.stepped(self.compute_threads, time.perf_counter() - wall, time.thread_time() - cpu)
             self.steps += 1
             self.batch_tokens.append(n)
             self.on_step(len(pending), n)
-            for task in pending:
+            for task, done in zip(pending, before):
+                if task.job.progress is not None:
+                    task.job.progress.evaluated += task.pending.done - done
                 if task.pending.complete:
                     self._advance(task, active)
+
+    def _take_cores(self) -> None:
+        """This step's share of the machine's cores (the backend keeps a count until it changes)."""
+        threads = self.cores.threads()
+        if threads != self.compute_threads:
+            self.backend.set_threads(threads)
+            self.compute_threads = threads
 
     def _start(self, job: _Job, active: list) -> None:
         try:
@@ -312,6 +341,8 @@ class ModelOwner:
             task.gen.close()
         if task in active:
             active.remove(task)
+        if not active and self.cores is not None:  # idle before the answer leaves: the next server's turn
+            self.cores.idle()
         task.job.reservation.release()
         if outcome is not None:
             task.job.out.put(outcome)

@@ -1,21 +1,105 @@
 """Typed request bodies, parsed once at the edge of the servers.
 
-Each ``parse_*`` takes the decoded JSON body and returns a frozen dataclass, or
-raises ``BadRequest`` naming the offending field. Handlers never call
-``.get()`` on raw bodies.
+``parse_json`` turns a body's bytes into JSON that every later step can walk
+safely (or a 400 naming ``body``, or the field at fault); each ``parse_*`` takes
+that JSON and returns a frozen dataclass, or raises ``BadRequest`` naming the
+offending field. Handlers never call ``.get()`` on raw bodies. The gateway
+parses its bodies with ``parse_json`` too.
 """
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from .. import chat
 from ..backends.base import Prompt, Sampling
 from ..errors import BadRequest, PayloadTooLarge
 from ..kv.receive import KVRef
 
 MAX_STOP_SEQUENCES = 16
 MAX_SCHEMA_DEPTH = 32  # nesting of a json_schema: grammar compile time grows with it
+# Nesting of a whole request body (objects and arrays): far below what Python's recursive JSON encoder,
+# the chat template and the grammar compiler reach (about 1,000), far above what any request needs (a
+# json_schema at its own limit sits at depth 36 of an OpenAI body)
+MAX_JSON_DEPTH = 128
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class _Refused(ValueError):
+    """Something JSON's grammar allows that a request body may not hold (duplicate keys, NaN, Infinity)."""
+
+
+def _pairs(pairs: list) -> dict:
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:  # which one counts differs between parsers: refused, not guessed
+            raise _Refused(f"duplicate key {key!r}: a body may name each key once")
+        seen.add(key)
+    return dict(pairs)
+
+
+def _constant(name: str):
+    raise _Refused(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _Refused(f"{text} is beyond the range of a number")
+    return value
+
+
+def parse_json(data: bytes):
+    """A request body's bytes as JSON, or ``BadRequest``: malformed JSON or text that is not UTF-8
+    (naming ``body``), duplicate keys, NaN or Infinity, a number beyond a float's range, nesting beyond
+    ``MAX_JSON_DEPTH`` (naming ``body``), a string holding a lone surrogate (``"\\ud800"``, which no
+    encoder downstream can write: naming the field, ``messages[0].content``)."""
+    if not data:
+        raise BadRequest("request body is empty; send a JSON object", field="body")
+    try:
+        value = json.loads(data, object_pairs_hook=_pairs, parse_constant=_constant, parse_float=_finite)
+    except RecursionError:
+        raise BadRequest(f"JSON body nested deeper than {MAX_JSON_DEPTH} levels", field="body") from None
+    except _Refused as exc:
+        raise BadRequest(f"JSON body refused: {exc}", field="body") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"malformed JSON body: {exc}", field="body") from None
+    check_json(value)
+    return value
+
+
+def _field(path: tuple) -> str:
+    name = ""
+    for part in path:
+        name += f"[{part}]" if isinstance(part, int) else (f".{part}" if name else str(part))
+    return name or "body"
+
+
+def check_json(value, depth_limit: int = MAX_JSON_DEPTH) -> None:
+    """Nesting within ``depth_limit`` (400 naming ``body``) and every string, keys included, encodable as
+    UTF-8 (400 naming its field). Walked without recursion: a deep body cannot exhaust the stack here."""
+    stack = [(value, 1, ())]
+    while stack:
+        node, depth, path = stack.pop()
+        if isinstance(node, str):
+            if _SURROGATE.search(node):
+                check_text(node, _field(path))
+            continue
+        if depth > depth_limit:
+            raise BadRequest(f"JSON body nested deeper than {depth_limit} levels", field="body")
+        if isinstance(node, dict):
+            for key, item in node.items():
+                if _SURROGATE.search(key):
+                    check_text(key, _field(path + (key,)))
+                if isinstance(item, (str, dict, list)):
+                    stack.append((item, depth + 1, path + (key,)))
+        else:  # a list
+            for i, item in enumerate(node):
+                if isinstance(item, (str, dict, list)):
+                    stack.append((item, depth + 1, path + (i,)))
 
 
 @dataclass(frozen=True)
@@ -38,13 +122,22 @@ def check_text(value: str, field: str) -> None:
         raise BadRequest(f"'{field}' is not valid text: {exc.reason} at character {exc.start}", field=field) from None
 
 
+def _message_chars(m: dict) -> int:
+    calls = m.get("tool_calls", ())
+    return (len(m["content"]) + len(m["role"]) + len(m.get("reasoning", ""))
+            + sum(len(c["name"]) + len(json.dumps(c["arguments"])) for c in calls))
+
+
 def check_prompt_size(prompt, limits: Limits) -> None:
-    """The prompt's characters (text or messages' contents, plus system) against the limit, before any work."""
+    """The prompt's characters (text or messages' contents, plus system and tools) against the limit, before any
+    work."""
     if prompt.text is not None:
         field, size = "prompt", len(prompt.text)
     else:
-        field, size = "messages", sum(len(m["content"]) + len(m["role"]) for m in prompt.messages)
+        field, size = "messages", sum(_message_chars(m) for m in prompt.messages)
     size += len(prompt.system or "")
+    if prompt.tools is not None:
+        size += len(json.dumps(prompt.tools.as_openai()))
     if size > limits.prompt_chars:
         raise PayloadTooLarge(f"'{field}' has {size} characters (with 'system'); this server takes at most "
                               f"{limits.prompt_chars}", field=field)
@@ -72,6 +165,7 @@ class PrefillRequest:
     model: str | None = None
     lease_seconds: float | None = None
     kv_kind: str | None = None  # the bundle kind the decode side wants (None: the backend's own)
+    progress: bool = False  # answer with heartbeat lines until the answer (server/progress.py)
 
 
 @dataclass(frozen=True)
@@ -82,6 +176,7 @@ class DecodeRequest:
     tokens: tuple | None = None        # token ids only: the decode side recomputes the prompt
     fingerprint: dict | None = None    # with tokens: what tokenized them
     model: str | None = None
+    progress: bool = False  # with stream: heartbeat lines until the first piece, and between slow ones
 
 
 @dataclass(frozen=True)
@@ -90,6 +185,7 @@ class GenerateRequest:
     sampling: Sampling
     stream: bool = False
     model: str | None = None
+    progress: bool = False  # as DecodeRequest's
 
 
 def _require_object(body) -> dict:
@@ -135,14 +231,7 @@ def parse_prompt(body: dict, limits: Limits = DEFAULT_LIMITS) -> Prompt:
     if text is not None and (not isinstance(text, str) or not text):
         raise BadRequest("'prompt' must be a non-empty string", field="prompt")
     if messages is not None:
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("'messages' must be a non-empty list", field="messages")
-        for i, message in enumerate(messages):
-            if (not isinstance(message, dict) or not isinstance(message.get("role"), str)
-                    or not isinstance(message.get("content"), str)):
-                raise BadRequest(f"messages[{i}] must be an object with string 'role' and 'content'",
-                                 field=f"messages[{i}]")
-        messages = tuple({"role": m["role"], "content": m["content"]} for m in messages)
+        messages = chat.parse_messages(messages)  # roles, contents, tool calls and results; valid text
     raw = _typed(body, "raw", bool, False, what="a boolean")
     if raw and messages is not None:
         raise BadRequest("'raw' applies to 'prompt' only; 'messages' are always rendered with the chat template",
@@ -152,10 +241,9 @@ def parse_prompt(body: dict, limits: Limits = DEFAULT_LIMITS) -> Prompt:
         check_text(text, "prompt")
     if system is not None:
         check_text(system, "system")
-    for i, message in enumerate(messages or ()):
-        check_text(message["role"], f"messages[{i}].role")
-        check_text(message["content"], f"messages[{i}].content")
-    prompt = Prompt(text=text, messages=messages, raw=raw, system=system)
+    tools = chat.parse_tools(body.get("tools"), body.get("tool_choice"))
+    prompt = Prompt(text=text, messages=messages, raw=raw, system=system, tools=tools,
+                    reasoning_effort=chat.parse_effort(body.get("reasoning_effort")))
     check_prompt_size(prompt, limits)
     return prompt
 
@@ -191,6 +279,9 @@ def parse_sampling(body: dict, limits: Limits = DEFAULT_LIMITS) -> Sampling:
             raise BadRequest("'ignore_eos' cannot be combined with a JSON schema", field="ignore_eos")
     for i, seq in enumerate(stop):
         check_text(seq, "stop")
+    tools = chat.parse_tools(body.get("tools"), body.get("tool_choice"))
+    if tools is not None:
+        check_schema({"tools": tools.as_openai()}, "tools", limits)
     return Sampling(
         max_new_tokens=max_new,
         temperature=float(_number(body, "temperature", 0.0, 0.0, 5.0)),
@@ -200,17 +291,28 @@ def parse_sampling(body: dict, limits: Limits = DEFAULT_LIMITS) -> Sampling:
         stop=tuple(stop),
         json_schema=schema,
         ignore_eos=_typed(body, "ignore_eos", bool, False, what="a boolean"),
+        tools=tools,
+        reasoning_budget=_number(body, "reasoning_budget", None, 0, 1 << 20, integer=True),
     )
 
 
-PROMPT_KEYS = {"prompt", "messages", "raw", "system", "model"}
+# tools and tool_choice belong to both: the prompt renders them, the decode side reads the calls
+PROMPT_KEYS = {"prompt", "messages", "raw", "system", "model", "tools", "tool_choice", "reasoning_effort"}
 SAMPLING_KEYS = {"max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                 "json_schema", "format", "stream", "ignore_eos"}
+                 "json_schema", "format", "stream", "ignore_eos", "tools", "tool_choice", "reasoning_budget"}
+
+
+def _progress(body: dict, stream: bool | None = None) -> bool:
+    """``progress``: heartbeat lines (server/progress.py); on /decode and /generate only with ``stream``."""
+    progress = _typed(body, "progress", bool, False, what="a boolean")
+    if progress and stream is False:
+        raise BadRequest("'progress' needs 'stream': true (the heartbeats are lines of the stream)", field="progress")
+    return progress
 
 
 def parse_prefill(body, limits: Limits = DEFAULT_LIMITS, max_lease_seconds: float = 3600.0) -> PrefillRequest:
     body = _require_object(body)
-    _known_keys(body, PROMPT_KEYS | {"lease_seconds", "kv_kind"})
+    _known_keys(body, PROMPT_KEYS | {"lease_seconds", "kv_kind", "progress"})
     kv_kind = _typed(body, "kv_kind", str, None, what="a string")
     if kv_kind not in (None, "llama_seq_state", "neutral_kv"):
         raise BadRequest("'kv_kind' must be 'llama_seq_state' or 'neutral_kv'", field="kv_kind")
@@ -219,6 +321,7 @@ def parse_prefill(body, limits: Limits = DEFAULT_LIMITS, max_lease_seconds: floa
         model=_typed(body, "model", str, None, what="a string"),
         lease_seconds=_number(body, "lease_seconds", None, 0.1, max_lease_seconds),
         kv_kind=kv_kind,
+        progress=_progress(body),
     )
 
 
@@ -288,25 +391,30 @@ def _decode_source(body: dict) -> tuple[KVRef | None, tuple | None]:
 
 def parse_decode(body, limits: Limits = DEFAULT_LIMITS) -> DecodeRequest:
     body = _require_object(body)
-    _known_keys(body, SAMPLING_KEYS | {"kv", "tokens", "fingerprint", "model", "prompt_tokens"} | DOCUMENT_DECODE_KEYS)
+    _known_keys(body, SAMPLING_KEYS | {"kv", "tokens", "fingerprint", "model", "prompt_tokens", "progress"}
+                | DOCUMENT_DECODE_KEYS)
     kv, tokens = _decode_source(body)
     fingerprint = _typed(body, "fingerprint", dict, None, what="an object")
+    stream = _typed(body, "stream", bool, False, what="a boolean")
     return DecodeRequest(
         sampling=parse_sampling(body, limits),
-        stream=_typed(body, "stream", bool, False, what="a boolean"),
+        stream=stream,
         kv=kv,
         tokens=tokens,
         fingerprint=fingerprint,
         model=_typed(body, "model", str, None, what="a string"),
+        progress=_progress(body, stream),
     )
 
 
 def parse_generate(body, limits: Limits = DEFAULT_LIMITS) -> GenerateRequest:
     body = _require_object(body)
-    _known_keys(body, PROMPT_KEYS | SAMPLING_KEYS)
+    _known_keys(body, PROMPT_KEYS | SAMPLING_KEYS | {"progress"})
+    stream = _typed(body, "stream", bool, False, what="a boolean")
     return GenerateRequest(
         prompt=parse_prompt(body, limits),
         sampling=parse_sampling(body, limits),
-        stream=_typed(body, "stream", bool, False, what="a boolean"),
+        stream=stream,
         model=_typed(body, "model", str, None, what="a string"),
+        progress=_progress(body, stream),
     )

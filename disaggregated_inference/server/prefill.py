@@ -2,6 +2,8 @@
 
 Endpoints: ``GET /health``, ``POST /prefill``, ``GET /kv/<handle>`` (the bundle,
 binary, pulled by the decode server), ``DELETE /kv/<handle>`` (give a lease up).
+``/prefill`` with ``"progress": true`` answers NDJSON: heartbeats while the request
+waits and its prompt is evaluated, then the answer (``progress.py``).
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import time
 
 from flask import Flask, Response, request
 
-from . import probe, web
+from . import probe, progress, web
 from ..errors import BadRequest
 from ..kv import bundle, send
 from .parse import parse_prefill
@@ -47,9 +49,20 @@ def create_app(config=None, backend=None) -> Flask:
         req = parse_prefill(web.json_body(), web.request_limits(), settings.max_lease_seconds)
         web.check_model(req.model)
         st.leases.check_room()  # 503 before the work when the held KV is already at its cap
+        base = (settings.data_url or request.host_url).rstrip("/")
+        if req.progress:  # heartbeats until the answer, which is the last line
+            return web.ndjson(progress.lines(lambda status: iter([{**prefilled(req, base, status), "done": True}])))
+        return web.json_response(prefilled(req, base, progress.Progress()))
+
+    def prefilled(req, base: str, status: progress.Progress) -> dict:
+        """Tokenize (here, on the request's thread), wait for a slot, evaluate, lease the KV: the answer."""
         started = time.perf_counter()
+        status.phase = "tokenizing"
+        prompt, tokenize_time = web.tokenized(st, req.prompt)
+        status.phase, status.tokens = "queued", len(prompt.tokens) if prompt.tokens is not None else None
         reservation = st.owner.reserve()
-        result = st.owner.call(lambda backend: backend.prefill(req.prompt), reservation)
+        status.phase = "prefill"
+        result = st.owner.call(lambda backend: backend.prefill(prompt), reservation, status)
         # a conversion the decode side asked for runs here, on the request's thread, not the model's
         result = as_kind(st.backend, result, req.kv_kind)
         t = time.perf_counter()
@@ -61,15 +74,16 @@ def create_app(config=None, backend=None) -> Flask:
         )
         framed = send.frame_in_place(header, result.tokens, result.payload)
         lease = st.leases.put(header, result.tokens, result.payload, req.lease_seconds, framed=framed)
-        base = (settings.data_url or request.host_url).rstrip("/")
         metrics = dict(result.metrics)
+        if tokenize_time is not None:
+            metrics["tokenize_time"] = tokenize_time
         metrics["kv_checksum_time"] = round(checksum_time, 6)
         metrics["queue_time"] = round(reservation.waited, 6)
         metrics["server_time"] = round(time.perf_counter() - started, 6)
         st.metrics.observe_prefill(metrics, header.payload_bytes)
         log.info("prefill tokens=%d kv_bytes=%d time=%.3fs", len(result.tokens), header.payload_bytes,
                  metrics.get("prefill_time", 0.0))
-        return web.json_response({
+        return {
             "model": st.backend.served_model(),  # as /health names it; "model_key" is the config's key
             "model_key": settings.model.name,
             "server": settings.name,
@@ -90,7 +104,7 @@ def create_app(config=None, backend=None) -> Flask:
                 "expires_at": lease.expires_at,
                 "lease_seconds": round(lease.expires_at - time.time(), 3),
             },
-        })
+        }
 
     @app.get("/kv/<handle>")
     def kv(handle: str):

@@ -30,6 +30,7 @@ class ServerSettings(cluster_config.ServerOptions):
     data_url: str | None = None  # base URL peers use to fetch KV from this server
     aliases: tuple = ()
     kv_peers: tuple = ()  # decode: the cluster's prefill servers (data_url or host:port), trusted KV sources
+    core_group: str = ""  # the servers sharing this one's cores (server/cores.py); "" = none
 
     @property
     def trusted_kv_sources(self) -> tuple:
@@ -66,16 +67,33 @@ def prefill_addresses(entries) -> tuple:
     return tuple(e.data_url or e.address for e in entries)
 
 
+def cohosted(cfg: cluster_config.ClusterConfig, entry) -> list:
+    """The config's servers on ``entry``'s machine, itself included."""
+    return [other for other in (*cfg.prefill_servers, *cfg.decode_servers) if other.machine == entry.machine]
+
+
 def compute_threads(cfg: cluster_config.ClusterConfig, entry) -> int:
     """CPU threads the servers of the config that share ``entry``'s machine compute with on OpenMP teams
     (its own included): servers whose host is the same, every loopback name counting as one machine."""
-    return sum(engine_threads(ModelSettings.from_dict(other.settings))
-               for other in (*cfg.prefill_servers, *cfg.decode_servers) if other.machine == entry.machine)
+    return sum(engine_threads(ModelSettings.from_dict(other.settings)) for other in cohosted(cfg, entry))
 
 
 def engine_threads(model: ModelSettings) -> int:
     """The CPU threads a server of ``model`` computes with on an OpenMP team (its engine's ``compute_threads``)."""
     return backend_class(model.backend).compute_threads(model)
+
+
+def core_group(cfg: cluster_config.ClusterConfig, entry, share: bool) -> str:
+    """The group whose servers share ``entry``'s cores at run time (server/cores.py), or "" for none: the
+    config's llama.cpp servers on its machine, when ``share`` and they are the only ones computing on
+    OpenMP teams there (a transformers server's torch threads take no share, so the cores stay
+    counted the old way: ``tuning.openmp_wait``)."""
+    servers = cohosted(cfg, entry)
+    models = [ModelSettings.from_dict(other.settings) for other in servers]
+    if not share or ModelSettings.from_dict(entry.settings).backend != "llama_cpp" \
+            or any(m.backend != "llama_cpp" and engine_threads(m) for m in models):
+        return ""
+    return f"{cfg.source}:{','.join(sorted(other.name for other in servers))}"
 
 
 def from_cluster(cfg: cluster_config.ClusterConfig, server_name: str, prefill_entries=None) -> ServerSettings:
@@ -87,8 +105,10 @@ def from_cluster(cfg: cluster_config.ClusterConfig, server_name: str, prefill_en
     model = ModelSettings.from_dict(entry.settings, name=entry.model)
     limits = {f.name: cfg.server[f.name] if f.default is None else type(f.default)(cfg.server[f.name])
               for f in fields(ServerSettings) if f.name in cfg.server}
-    limits["openmp_wait"] = openmp_wait(limits.get("openmp_wait", "auto"), compute_threads(cfg, entry))
-    return ServerSettings(role=entry.role, model=model, name=entry.name, data_url=entry.data_url,
+    group = core_group(cfg, entry, limits.get("share_cores", True))
+    limits["openmp_wait"] = openmp_wait(limits.get("openmp_wait", "auto"), compute_threads(cfg, entry),
+                                        shared=bool(group))
+    return ServerSettings(role=entry.role, model=model, name=entry.name, data_url=entry.data_url, core_group=group,
                           aliases=tuple(cfg.models[entry.model].get("aliases", ())),
                           kv_peers=prefill_addresses(cfg.prefill_servers if prefill_entries is None else prefill_entries),
                           **limits)

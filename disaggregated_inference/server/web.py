@@ -11,22 +11,23 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flask import Flask, Response, current_app, request
-from werkzeug.exceptions import ClientDisconnected, HTTPException
+from werkzeug.exceptions import ClientDisconnected, HTTPException, RequestEntityTooLarge
 
 from .. import __version__, backends
 from ..backends import options
+from ..backends.base import Prompt, check_fits
 from ..kv.canary import CanaryPolicy
 from ..errors import (BadRequest, DisaggError, ModelNotFound, PayloadTooLarge, RequestTimeout, Unauthorized,
                       UnsupportedMediaType)
 from ..kv.receive import socket_buffer_in_effect
 from ..tuning import copy_tunable_in_effect
 from . import resources  # psutil: imported with the app (metrics.py samples it for /metrics too)
-from . import admission
+from . import admission, cores
 from .metrics import ServerMetrics
-from .parse import Limits
+from .parse import Limits, parse_json
 from .owner import ModelOwner
 from .settings import ServerSettings
 
@@ -70,12 +71,15 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
     app.json.sort_keys = False
     backend = backend or backends.create(settings.model)
     backend.canary = CanaryPolicy.from_settings(settings)
-    st = ServerContext(settings, ModelOwner(backend, settings.queue_timeout, settings.max_queue), leases=leases,
+    owner = ModelOwner(backend, settings.queue_timeout, settings.max_queue, cores=cores.for_server(settings, backend))
+    st = ServerContext(settings, owner, leases=leases,
                      metrics=ServerMetrics(settings.role, leases, name=settings.name, model=settings.model.name,
                                            backend=settings.model.backend, version=__version__))
     st.metrics.watch_owner(st.owner)
     app.extensions["disagg"] = st
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
+    app.config["DISAGG_ARRIVAL"] = arrival_limits(settings.header_timeout, settings.body_timeout,
+                                                  settings.max_request_bytes)
     admission.install(app, settings.threads)
 
     @app.errorhandler(DisaggError)
@@ -131,6 +135,8 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
             "busy": owner.busy,
             "queued": owner.queued,
             "slots": owner.slot_stats(),
+            "compute_threads": owner.compute_threads,  # of the last step, where the cores are shared
+            "core_share": owner.cores.describe() if owner.cores is not None else None,
             "uptime_s": round(time.time() - st.started_at, 1),
             "non_temporal_copy_bytes": copy_tunable_in_effect(),
             "version": __version__,
@@ -158,6 +164,11 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
     return app
 
 
+def arrival_limits(header_timeout: float, body_timeout: float, max_request_bytes: int) -> dict:
+    """What the gunicorn worker (``worker.py``) holds a request to before it gives it a thread."""
+    return {"header_timeout": header_timeout, "body_timeout": body_timeout, "max_body_bytes": max_request_bytes}
+
+
 def json_response(body: dict, status: int = 200, headers: dict | None = None) -> Response:
     return Response(json.dumps(body), status=status, mimetype="application/json", headers=headers)
 
@@ -179,13 +190,7 @@ def json_body() -> dict:
     if request.mimetype and request.mimetype != "application/json" and not request.mimetype.endswith("+json"):
         raise UnsupportedMediaType(f"send the body as application/json, not {request.mimetype}", field="Content-Type",
                                    close=True)  # its body is never read
-    data = read_body()
-    if not data:
-        raise BadRequest("request body is empty; send a JSON object", field="body")
-    try:
-        return json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"malformed JSON body: {exc}", field="body") from None
+    return parse_json(read_body())
 
 
 def read_body(limit: int | None = None, timeout: float | None = None) -> bytes:
@@ -210,7 +215,10 @@ def read_body(limit: int | None = None, timeout: float | None = None) -> bytes:
                 raise TimeoutError
             if sock is not None:
                 sock.settimeout(left)
-            chunk = request.stream.read(min(1 << 20, limit + 1 - size))
+            try:
+                chunk = request.stream.read(min(1 << 20, limit + 1 - size))
+            except RequestEntityTooLarge:  # a chunked body past MAX_CONTENT_LENGTH (Werkzeug counts it)
+                raise PayloadTooLarge(f"request body over {limit} bytes", field="body", close=True) from None
             if not chunk:
                 break
             chunks.append(chunk)
@@ -237,6 +245,23 @@ def request_limits() -> Limits:
     return Limits(prompt_chars=settings.max_prompt_chars, schema_bytes=settings.max_schema_bytes)
 
 
+def tokenized(st: ServerContext, prompt: Prompt) -> tuple[Prompt, float | None]:
+    """The prompt with its token ids and template stops (``Backend.tokenize``), made here on the request's
+    own thread: the chat template and the tokenizer, whose work a prompt's size decides, never hold the
+    thread that owns the model (where every slot would wait for them). A prompt that cannot fit the
+    context is refused now, before it waits for a slot. Returns (the prompt, seconds it took), or the
+    prompt as it is and None for an engine that tokenizes behind its own API. Uses no request context: a
+    request's work may run on a helper thread (progress.py)."""
+    st.owner.require_ready()
+    started = time.perf_counter()
+    made = st.backend.tokenize(prompt)
+    if made is None:
+        return prompt, None
+    tokens, stops = made
+    check_fits(len(tokens), st.backend.settings.n_ctx, field="prompt" if prompt.messages is None else "messages")
+    return replace(prompt, tokens=tuple(tokens), stops=tuple(stops)), round(time.perf_counter() - started, 6)
+
+
 def check_model(name: str | None) -> None:
     """A request may name the model it expects; refuse it if this server serves another."""
     if name is None:
@@ -248,5 +273,11 @@ def check_model(name: str | None) -> None:
                             field="model")
 
 
+# A streamed answer goes out line by line: a reverse proxy in front (nginx) must not hold it back, or the
+# heartbeats by which a client tells a working server from a hung one (progress.py) would not reach it.
+STREAM_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
+
+
 def ndjson(lines) -> Response:
-    return Response((json.dumps(line) + "\n" for line in lines), mimetype="application/x-ndjson")
+    return Response((json.dumps(line) + "\n" for line in lines), mimetype="application/x-ndjson",
+                    headers=STREAM_HEADERS)

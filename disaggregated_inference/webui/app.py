@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import threading
 from pathlib import Path
 
 import streamlit as st
@@ -14,7 +15,7 @@ import streamlit as st
 from disaggregated_inference.client import describe_overlap
 from disaggregated_inference.errors import DisaggError, RubricError
 from disaggregated_inference.grading import GradingOptions, grade_batch, load_rubric
-from disaggregated_inference.grading.connect import decode_slots, require_servers
+from disaggregated_inference.grading.connect import default_jobs, require_servers
 from disaggregated_inference.grading.report import criteria_rows, gradebook_csv, gradebook_rows, render_markdown, \
     render_summary_markdown
 from disaggregated_inference.webui import health, state
@@ -74,22 +75,76 @@ def choose_notebooks() -> list[Path]:
     return _save_uploads(files or [], state.out_dir() / "uploads")
 
 
-def grade(rubric, paths: list[Path], client, force: bool) -> None:
-    bar = st.progress(0.0, text=f"grading {len(paths)} notebooks")
+class GradingJob:
+    """One press of Grade, shared with the page's later runs through the session.
 
-    def progress(done: int, total: int, name: str, status: str) -> None:
-        bar.progress(done / total if total else 1.0, text=f"{done}/{total} {name}: {status}")
+    Pressing Stop (or anything else on the page, or Streamlit's own stop) while grading makes
+    Streamlit start a new run of the page and stop this one at its next drawing call, the progress
+    callback, after which this run may neither draw nor touch the session. So the callback sets
+    ``stop`` (the batch then ends as the command line's Ctrl-C ends it: nothing more started,
+    requests in flight cancelled, what was graded kept), the batch's outcome goes here, and the
+    new run (``collect_stopped``) waits for ``done`` and shows it."""
+
+    def __init__(self):
+        self.stop, self.done = threading.Event(), threading.Event()
+        self.batch: dict | None = None  # what show_results shows
+        self.error: str | None = None
+
+
+def grade(rubric, paths: list[Path], client, force: bool) -> None:
+    """Grade with a progress bar and a stop button."""
+    job = st.session_state["grading"] = GradingJob()
+    st.button("Stop grading", key="stop", help="Stop after cancelling the requests in flight; the notebooks "
+              "graded so far are kept, and Grade continues with the rest")
+    bar = st.progress(0.0, text=f"grading {len(paths)} notebooks")
+    interrupted = []
+
+    def progress(p) -> None:
+        if job.stop.is_set():
+            return  # stopping: this run may not draw any more
+        try:
+            bar.progress(p.done / p.total if p.total else 1.0, text=p.describe())
+        except BaseException as exc:  # Streamlit stops this run: end the batch cleanly first
+            interrupted.append(exc)
+            job.stop.set()
 
     options = GradingOptions.for_cluster(getattr(client, "config", None))
     try:
         require_servers(client, (options.code_model, options.feedback_model))
         batch = grade_batch(paths, rubric, client, state.out_dir(), options, force=force, progress=progress,
-                            jobs=decode_slots(client))
+                            jobs=default_jobs(client, (options.code_model, options.feedback_model)), stop=job.stop)
+        job.batch = {"results": batch.results, "summary": batch.summary, "out_dir": str(batch.out_dir),
+                     "graded": batch.graded, "resumed": batch.resumed, "not_graded": batch.not_graded,
+                     "stopped": batch.stopped}
     except DisaggError as exc:
-        st.error(f"Grading stopped: {exc.message}")
+        job.error = f"Grading stopped: {exc.message}"
+    finally:
+        job.done.set()
+    if interrupted:
+        raise interrupted[0]  # Streamlit's: another run of the page shows the outcome
+    collect(job)
+
+
+def collect(job: GradingJob) -> None:
+    """The outcome of a grading, into the session (the results below show it)."""
+    del st.session_state["grading"]
+    if job.error:
+        st.error(job.error)
+    elif job.batch is not None:
+        st.session_state["batch"] = job.batch
+
+
+def collect_stopped() -> None:
+    """A grading that an earlier run of the page left (it was stopped): wait for its end, then show it."""
+    job = st.session_state.get("grading")
+    if job is None:
         return
-    st.session_state["batch"] = {"results": batch.results, "summary": batch.summary,
-                                 "out_dir": str(batch.out_dir), "graded": batch.graded, "resumed": batch.resumed}
+    job.stop.set()  # this run began while it graded: stop it, if its run has not seen that yet
+    if not job.done.is_set():
+        with st.spinner("Stopping: the requests in flight are being cancelled..."):
+            job.done.wait(60)
+    if job.done.is_set():
+        collect(job)
 
 
 def show_results(batch: dict) -> None:
@@ -103,9 +158,15 @@ def show_results(batch: dict) -> None:
     cols[3].metric("Needs review", len(summary["flagged"]))
     cols[4].metric("Requests in flight (mean)", "-" if inf["overlap"] is None else f"{inf['overlap']:.2f}",
                    help=describe_overlap(inf) + "; requests queued on one server count as in flight: not a speedup")
+    if batch.get("stopped"):
+        st.warning(f"Grading was stopped: {len(batch['graded'])} graded, {len(batch['not_graded'])} not graded "
+                   f"({', '.join(batch['not_graded'])}). Press Grade to grade the rest; the graded ones are kept.",
+                   icon=":material/stop_circle:")
     if batch.get("resumed"):
         st.caption(f"{len(batch['resumed'])} kept from an earlier run (same notebook, same rubric): "
                    + ", ".join(batch["resumed"]))
+    if not results:
+        return
     st.dataframe(gradebook_rows(results), hide_index=True)
     for flag in summary["flagged"]:
         st.warning(f"**{flag['submission']}** needs review ({flag['status']}): " + "; ".join(flag["reasons"]))
@@ -139,6 +200,7 @@ def main() -> None:
     with st.sidebar:
         health.sidebar_health(client)
         st.caption("The Cluster dashboard page shows timings, throughput, handoffs and KV links.")
+    collect_stopped()
     rubric = choose_rubric()
     paths = choose_notebooks()
     force = st.checkbox("Grade again even if already graded", key="force")
