@@ -345,11 +345,11 @@ class LlamaCppBackend(BatchedBackend):
         """A step whose every row is computed as it would be with no other sequence beside it.
 
         Measured (docs/ARCHITECTURE.md, Determinism): ggml's CPU kernels compute a
-        ubatch of one sequence otherwise than one of several (a lone generating token
-        moved the tiny F16 llama's logits by 5e-7 a step, 1e-3 after seven), and
-        llama.cpp's ``split_equal`` gives a ubatch as many tokens of each sequence as
-        its shortest one has, so a prompt chunk beside generating tokens was cut into
-        other row counts (Gemma 3 without flash attention: 1.0 apart). Hence each
+        ubatch of one sequence otherwise than one of several (flash attention splits a
+        lone query's cells across the threads from 512 cells on: SmolLM2 at 2 threads,
+        0.5-0.66 apart), and llama.cpp's ``split_equal`` gives a ubatch as many tokens
+        of each sequence as its shortest one has, so a prompt chunk beside generating
+        tokens was cut into other row counts (Gemma 3 without flash attention: 1.0). Hence each
         prompt chunk in a ``llama_decode`` of its own, as when it is alone; and the
         single tokens in one ``llama_decode`` where no ubatch holds one sequence only:
         a single whose neighbouring ids bring no token (``split_equal`` groups only
@@ -360,7 +360,7 @@ class LlamaCppBackend(BatchedBackend):
         import llama_cpp
 
         mem = llama_cpp.llama_get_memory(self.ctx.ctx)
-        total = 0
+        total, unpadded = 0, set()
         for ev, take in chosen:
             if take > 1:
                 self._decode([(ev, take)])
@@ -368,24 +368,25 @@ class LlamaCppBackend(BatchedBackend):
         singles = [(ev, take) for ev, take in chosen if take == 1]
         if singles:
             ids = {ev.seq for ev, _ in singles}
-            pads, unpadded = [], []
+            pads = []
             for ev, _ in singles:
-                if ev.seq - 1 in ids or ev.seq + 1 in ids or self.slots == 1:
-                    continue  # beside another single (or the only slot there is: always alone)
+                beside = ids | {p[0] for p in pads}
+                if ev.seq - 1 in beside or ev.seq + 1 in beside or self.slots == 1:
+                    continue  # beside another single or a padding row (or the only slot there is: always alone)
                 for other in (ev.seq + 1, ev.seq - 1):
-                    if 0 <= other < self.slots and other not in {p[0] for p in pads}:
+                    if 0 <= other < self.slots:
                         held = llama_cpp.llama_memory_seq_pos_max(mem, other) + 1
                         if held < self.settings.n_ctx:
                             pads.append((other, held, ev.tokens[ev.done]))
                             break
                 else:
-                    unpadded.append(ev)  # both neighbours' streams full: not promised
+                    unpadded.add(ev.seq)  # both neighbours' streams full: not promised
             self._decode(singles, pads)
             total += len(singles)
             for seq, pos, _ in pads:
                 llama_cpp.llama_memory_seq_rm(mem, seq, pos, -1)
         for ev, _ in chosen:
-            ev.alone = ev not in unpadded if singles else True  # its numerics are those of a step of its own
+            ev.alone = ev.seq not in unpadded  # its numerics are those of a step of its own
         return total
 
     def _decode(self, chosen: list[tuple[Eval, int]], pads=None) -> None:
