@@ -424,6 +424,8 @@ def main(argv=None) -> int:
     parser.add_argument("--detailed", action="store_true", help="every request's figures in each level")
     parser.add_argument("--no-deterministic-cost", action="store_true",
                         help="skip measuring deterministic on against off")
+    parser.add_argument("--deterministic-only", action="store_true",
+                        help="measure deterministic on against off only (no bare loop, rounds or levels)")
     serving_metrics.add_slo_argument(parser)
     quick.add_argument(parser)
     args = parser.parse_args(argv)
@@ -435,6 +437,15 @@ def main(argv=None) -> int:
     prioritise()
 
     say = quick.say
+    if args.deterministic_only:
+        determinism = deterministic_cost(max(args.rounds, 2), args.slots, args.threads, say, args.quick,
+                                         max(args.engine_tokens, 768) if args.quick else args.engine_tokens,
+                                         args.models, args.max_tokens, slos)
+        print(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                      "threads": args.threads},
+                          "quick": args.quick, "models": args.models, "engine_tokens": args.engine_tokens,
+                          "max_tokens": args.max_tokens, "deterministic": determinism}, indent=2 if args.json else None))
+        return 0
     bare_sizes, bare_steps = ((1, 8), 32) if args.quick else ((1, 4, 8, 16), 96)
     bare, rounds = engine_rounds(args.rounds, args.slots, args.threads, say, args.quick, bare_sizes,
                                  args.engine_tokens, bare_steps)

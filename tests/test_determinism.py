@@ -31,9 +31,9 @@ def text(i: int, words: int) -> str:
     return " ".join(rng.choice(WORDS, words)) + " Summarise."
 
 
-def tiny_backend(deterministic: bool):
+def tiny_backend(deterministic: bool, **settings):
     b = create(ModelSettings(**{**tiny_model_settings(), "n_threads": 2, "n_ctx": 2048, "parallel": 8,
-                                "prefix_cache": False, "deterministic": deterministic}))
+                                "prefix_cache": False, "deterministic": deterministic, **settings}))
     b.load()
     return b
 
@@ -64,10 +64,10 @@ def generate_together(b, seqs, prompts, steps: int, mixed: list[int] | None = No
     return out
 
 
-def moved_beside_others(deterministic: bool) -> dict:
+def moved_beside_others(deterministic: bool, **settings) -> dict:
     """Max |logit difference| of one sequence (a ~600-token prompt, then 5 greedy steps) between alone
-    and each way of sharing its steps."""
-    b = tiny_backend(deterministic)
+    and each way of sharing its steps; ``settings`` (e.g. ``model="gemma3-270m"``) probe another model."""
+    b = tiny_backend(deterministic, **settings)
     try:
         prompts = [b.tokenize(Prompt(text=text(i, 120 + 70 * i)))[0] for i in range(8)]
         x, others = prompts[6], prompts[:6] + prompts[7:]
