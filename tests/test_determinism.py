@@ -111,6 +111,22 @@ def test_without_it_the_same_probe_sees_neighbours_move_the_logits():
     assert max(moved.values()) > 0
 
 
+def test_a_one_slot_server_computes_as_a_multi_slot_one():
+    """Prefill and decode servers may have other ``parallel``: the canary holds them to 1e-4 all the same, so a
+    lone token's row must come out the same with no neighbouring slot to pad in (padded in its own stream)."""
+    got = []
+    for parallel in (1, 8):
+        b = tiny_backend(True, parallel=parallel)
+        try:
+            x = b.tokenize(Prompt(text=text(6, 540)))[0]
+            seq = b._acquire()[0]
+            got.append(generate_together(b, [seq], [x], 3))
+            b._release(seq)
+        finally:
+            b.close()
+    assert all(np.array_equal(a, c) for a, c in zip(*got))
+
+
 def test_the_setting_is_on_by_default_and_reported():
     assert ModelSettings(**tiny_model_settings()).deterministic is True
     b = tiny_backend(True)

@@ -354,7 +354,8 @@ class LlamaCppBackend(BatchedBackend):
         single tokens in one ``llama_decode`` where no ubatch holds one sequence only:
         a single whose neighbouring ids bring no token (``split_equal`` groups only
         consecutive ids) gets a throwaway row in a neighbouring slot's stream, one
-        position past what that stream holds, whose cell is dropped after the step.
+        position past what that stream holds (with one slot: in its own, the next
+        position), whose cell is dropped after the step.
         Only singles want logits (``evaluate``), and they go last, so their rows stay
         readable until the next step."""
         import llama_cpp
@@ -371,22 +372,27 @@ class LlamaCppBackend(BatchedBackend):
             pads = []
             for ev, _ in singles:
                 beside = ids | {p[0] for p in pads}
-                if ev.seq - 1 in beside or ev.seq + 1 in beside or self.slots == 1:
-                    continue  # beside another single or a padding row (or the only slot there is: always alone)
+                if ev.seq - 1 in beside or ev.seq + 1 in beside:
+                    continue  # beside another single or a padding row
                 for other in (ev.seq + 1, ev.seq - 1):
                     if 0 <= other < self.slots:
                         held = llama_cpp.llama_memory_seq_pos_max(mem, other) + 1
                         if held < self.settings.n_ctx:
                             pads.append((other, held, ev.tokens[ev.done]))
                             break
-                else:
-                    unpadded.add(ev.seq)  # both neighbours' streams full: not promised
+                else:  # one slot, or both neighbours' streams full
+                    if self._fingerprint.get("n_swa"):
+                        # a row past a sliding window's end may take a cell the window still needs: alone,
+                        # as a one-slot server always is (and such a model's canary is never held exact)
+                        unpadded.add(ev.seq)
+                    else:  # the row in its own stream: measured the same as one beside it (tiny llama, SmolLM2)
+                        pads.append((ev.seq, ev.pos + ev.done + 1, ev.tokens[ev.done]))
             self._decode(singles, pads)
             total += len(singles)
             for seq, pos, _ in pads:
                 llama_cpp.llama_memory_seq_rm(mem, seq, pos, -1)
         for ev, _ in chosen:
-            ev.alone = ev.seq not in unpadded  # its numerics are those of a step of its own
+            ev.alone = ev.seq not in unpadded or self.slots == 1  # its numerics are those of a step of its own
         return total
 
     def _decode(self, chosen: list[tuple[Eval, int]], pads=None) -> None:
