@@ -131,9 +131,16 @@ class Served:
     first_piece_at: float | None = None  # a stream: when its first piece arrived
     lines: object = None  # a stream: the decode server's NDJSON lines, open until the last
 
+    def prefill_metrics(self) -> dict:
+        """The prefill's metrics: its /prefill answer's, and for a streamed handoff (answered before the prompt
+        was evaluated) those its KV stream ended with, which the decode server passes on."""
+        pre = dict((self.prefill or {}).get("metrics", {}))
+        pre.update((self.decode or {}).get("metrics", {}).get("prefill_metrics") or {})
+        return pre
+
     def metrics(self, started: float, notes: list) -> dict:
         """The request's metrics, as ``generate`` returns them (``started``: when it began)."""
-        pre = (self.prefill or {}).get("metrics", {})
+        pre = self.prefill_metrics()
         dec = self.decode["metrics"]
         prompt_tokens = dec.get("prompt_tokens") or pre.get("prompt_tokens") or 0
         completion = dec.get("completion_tokens", 0)
@@ -174,6 +181,13 @@ class Served:
         for key in ("canary", "canary_top1_match", "canary_divergence", "canary_tolerance", "canary_check_ms"):
             if key in dec:
                 metrics[key] = dec[key]
+        # how the KV went (whole after the prefill, or streamed during it) and, streamed, what was left after it
+        if self.prefill:
+            metrics["handoff_mode"] = dec.get("handoff_mode") or pre.get("handoff_mode") or "whole"
+            for key in ("handoff_mode_reason", "kv_import", "kv_wait_time", "kv_exposed_time"):
+                value = dec.get(key, pre.get(key))
+                if value is not None:
+                    metrics[key] = value
         if pre.get("canary_ms") is not None:
             metrics["canary_ms"] = pre["canary_ms"]
         notes = notes + [f"decode server did not accept the connection, retried once: {m}"
@@ -197,6 +211,7 @@ class DisaggregatedClient:
         self.retries = int(opts["retries"])
         self.failures_before_down = int(opts["failures_before_down"])
         self.route = opts["route"]
+        self.handoff_mode = opts["handoff_mode"]
         self.costs = routing.CostModel()  # what this client has measured, for route "auto"
         self.api_token = api_token or opts.get("api_token") or self.config.server.get("api_token")
         self.history: deque = deque(maxlen=int(opts["history_size"]))
@@ -232,7 +247,7 @@ class DisaggregatedClient:
         hung or stuck server is given up in seconds; ``timeout`` is the caller's deadline for it."""
         started = time.perf_counter()
         stream = path != "/prefill"
-        watch = self._watch(server, path, timeout)
+        watch = self._watch(server, path, timeout, body=body)
         lines = self._lines(server, path, {**body, "stream": True} if stream else body, watch)
         try:
             if not stream:
@@ -264,14 +279,18 @@ class DisaggregatedClient:
         server.latency_s = round(time.perf_counter() - started, 4)
         return answer
 
-    def _watch(self, server: TrackedServer, path: str, timeout: float | None, lifted: bool = False) -> Watch:
+    def _watch(self, server: TrackedServer, path: str, timeout: float | None, lifted: bool = False,
+               body: dict | None = None) -> Watch:
         """What a request to ``server`` may take: silence (``progress_timeout``), progress at the speeds this
         server has shown (the cost model's, or its /health's), and the caller's ``timeout`` (``lifted``
-        once a stream's first piece is in)."""
+        once a stream's first piece is in); a decode of a streamed KV (``body``) also has the prefill's own
+        allowance while it waits for that KV to be made."""
         prompt_speed, decode_speed = self.costs.server_speeds(server.entry.name)
+        streamed = ((body or {}).get("kv") or {}).get("mode") == "streamed"
         return Watch(server.entry.name, self.progress_timeout, timeout,
                      "prefill_timeout" if path == "/prefill" else "decode_timeout",
-                     prompt_speed or server.health.get("prompt_speed"), decode_speed, lifted)
+                     prompt_speed or server.health.get("prompt_speed"), decode_speed, lifted,
+                     waiting=self.prefill_timeout if streamed else None)
 
     def _lines(self, server: TrackedServer, path: str, body: dict, watch: Watch):
         """POST ``body`` asking for progress (server/progress.py); yield the answer's lines, heartbeats left to
@@ -323,6 +342,16 @@ class DisaggregatedClient:
         if all("neutral_kv" in a and "llama_seq_state" not in a for a in accepts):
             return {"kv_kind": "neutral_kv"}
         return {}
+
+    def _streams(self, model_key: str) -> bool:
+        """Whether to ask for the overlapped handoff: ``client.handoff_mode`` is "streamed" and no decode server
+        of the model said (in its last /health) that it takes only whole bundles (an older server)."""
+        if self.handoff_mode != "streamed":
+            return False
+        with self._lock:
+            modes = [s.health.get("handoff_modes") for s in self.servers.values()
+                     if s.entry.role == "decode" and s.entry.model == model_key and s.up and s.health]
+        return all(m is not None and "streamed" in m for m in modes)
 
     def _candidates(self, role: str, model_key: str, wait: bool = False) -> list[TrackedServer]:
         """The servers of a role to try, in order. Servers marked down are probed again as their time comes
@@ -384,9 +413,13 @@ class DisaggregatedClient:
             queue = int((prefill.health.get("slots") or {}).get("queued") or 0)
             queue += max(0, prefill.outstanding + 1 - prefill.slots)
         reported = tuple(s.health.get("prompt_speed") if s is not None else None for s in (prefill, decode))
+        # the overlapped handoff, where this client asks for it and the prefill server streams this model
+        streamed = self._streams(model_key) and prefill is not None and "streamed" in (
+            prefill.health.get("handoff_modes") or ("streamed",))
+        chunk = ((prefill.health.get("model_info") or {}).get("n_batch") if prefill is not None else None)
         return self.costs.decide(mode, model_key, routing.prompt_chars(source),
                                  prefill.entry.name if prefill else None, decode.entry.name if decode else None,
-                                 prefill_queue=queue, reported=reported)
+                                 prefill_queue=queue, reported=reported, streamed=streamed, chunk_tokens=chunk)
 
     def _learn(self, model_key: str, source: dict, served: Served, metrics: dict, clean: bool) -> None:
         """Feed what this request measured to the cost model (``clean``: no retry or fallback inflated its times)."""
@@ -396,7 +429,7 @@ class DisaggregatedClient:
             return
         self.costs.observe(model_key, routing.prompt_chars(source), path,
                            served.prefill_server.entry.name if served.prefill_server else None,
-                           served.decode_server.entry.name, (served.prefill or {}).get("metrics", {}),
+                           served.decode_server.entry.name, served.prefill_metrics(),
                            served.decode["metrics"], metrics.get("ttft_end_to_end") if clean else None)
 
     def _mark_failure(self, server: TrackedServer, error: str, hard: bool = False) -> None:
@@ -618,6 +651,8 @@ class DisaggregatedClient:
         if not self._candidates("decode", model_key, wait=True):
             raise NoServerAvailable(f"no healthy decode server for model {model_key!r}", role="decode")
         wanted = self._kv_kind(model_key)
+        if self._streams(model_key):
+            wanted["handoff_mode"] = "streamed"  # the prefill server answers at once where the model allows it
         prefill_server, prefilled = self._on("prefill", model_key, lambda s: self._post(
             s, "/prefill", {**source, **wanted}, self.prefill_timeout), exclude)
         unreachable = []
@@ -779,7 +814,7 @@ class DisaggregatedClient:
         server; ``timeout`` (the caller's ``decode_timeout``) bounds the wait for it, and no more: from
         then on the caller sees the pieces come, and only silence or no progress ends the stream."""
         started = time.perf_counter()
-        watch = self._watch(server, path, timeout, lifted=True)
+        watch = self._watch(server, path, timeout, lifted=True, body=body)
         lines = self._lines(server, path, body, watch)
         try:
             head = next(lines)

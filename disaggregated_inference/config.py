@@ -45,7 +45,11 @@ CLIENT_DEFAULTS = {
     # per request, the KV handoff or the decode server alone (routing.py): "auto" decides from measured
     # costs; "handoff" (the default: every request disaggregated, as before) or "decode_only" force a path
     "route": "handoff",
+    # how the KV leaves the prefill server: "streamed" (the default: the overlapped handoff, the decode server
+    # pulling while the prompt is evaluated, where the model allows it) or "whole" (after the prefill, as before)
+    "handoff_mode": "streamed",
 }
+HANDOFF_MODES = ("streamed", "whole")
 
 # The ``gateway`` section: where ``disagg gateway`` (the OpenAI/Ollama front door) listens.
 GATEWAY_DEFAULTS = {
@@ -131,6 +135,9 @@ def check_limits(client: dict, server: dict, source: str) -> None:
     if client["route"] not in routing.MODES:
         raise ConfigError(f"{source}: client.route must be one of {', '.join(routing.MODES)}, got {client['route']!r}",
                           field="client.route")
+    if client["handoff_mode"] not in HANDOFF_MODES:
+        raise ConfigError(f"{source}: client.handoff_mode must be one of {', '.join(HANDOFF_MODES)}, "
+                          f"got {client['handoff_mode']!r}", field="client.handoff_mode")
     _check_ranges(server, SERVER_RANGES, "server", source)
     if server["openmp_wait"] not in OPENMP_WAITS:
         raise ConfigError(f"{source}: server.openmp_wait must be one of {', '.join(OPENMP_WAITS)}, "

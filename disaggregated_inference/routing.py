@@ -17,8 +17,21 @@ The client keeps a ``CostModel`` up to date from what its own requests measured:
 Estimated time to first token of a prompt of ``n`` tokens (the last prompt token and the first
 sampled one cost the same on both paths and are left out of both):
 
-    handoff     = fixed(handoff) + wait(prefill) + n / prefill_speed + n * kv_bytes_per_token * (1/link + 1/copy)
+    handoff     = fixed(handoff) + wait(prefill) + n / prefill_speed + exposed
     decode_only = fixed(decode_only) + n / decode_side_speed
+
+where ``exposed`` is what the KV's move adds after the prefill. Handed over whole (after the
+prefill, as an export, a transfer and an import), all of it:
+
+    exposed(whole)    = n * kv_bytes_per_token * (1/link + 1/copy)
+
+Streamed (the overlapped handoff: each prompt chunk's KV leaves as soon as the chunk is
+evaluated, and the decode side imports it as it lands), only what cannot overlap the prefill:
+the last chunk (``chunk`` tokens, the prefill server's ``n_batch``), or more when the link is
+slower than the prefill produces KV:
+
+    exposed(streamed) = max(tail / link, n * kv_bytes_per_token / link - n / prefill_speed) + tail / copy
+    tail              = min(n, chunk) * kv_bytes_per_token
 
 Moving averages (``ALPHA``) follow a server that changes. Before anything is measured the
 **prior** speaks: the prefill server is the fast machine by design (``PRIOR_PREFILL_SPEEDUP``
@@ -46,6 +59,7 @@ PRIOR_LINK_BYTES_PER_S = 1e9
 PRIOR_COPY_BYTES_PER_S = 4e9  # export + checksum + import
 PRIOR_FIXED = {HANDOFF: 0.05, LOCAL: 0.01}  # seconds: two requests and a transfer, against one request
 PRIOR_CHARS_PER_TOKEN = 4.0
+PRIOR_CHUNK_TOKENS = 512  # a prefill server's n_batch: the KV of its last chunk is what a stream leaves exposed
 MIN_TOKENS_FOR_SPEED = 8  # shorter prompts say more about overheads than about speed
 MIN_CHARS_FOR_RATIO = 256  # shorter prompts are mostly chat template: 7 characters can be 30 tokens
 
@@ -121,9 +135,11 @@ class CostModel:
         if prefill_time > 0:
             self._avg("prefill_time", prefill).add(prefill_time)
         kv_bytes = dec.get("kv_bytes") or 0
+        # streamed: the time spent receiving the pieces (not waiting for the prefill); whole: the pull
         transfer = dec.get("kv_transfer_time") or 0.0
-        copy = sum(float(x or 0.0) for x in (pre.get("kv_export_time"), pre.get("kv_checksum_time"),
-                                            dec.get("kv_load_time")))
+        # export (streamed: the rows read chunk by chunk) + checksum + import: the KV's copies, per byte
+        copy = sum(float(x or 0.0) for x in (pre.get("kv_export_time"), pre.get("kv_read_time"),
+                                            pre.get("kv_checksum_time"), dec.get("kv_load_time")))
         held = max(0, (pre.get("prompt_tokens") or 0) - 1) or evaluated  # the state covers cached tokens too
         if kv_bytes and held > 0:
             self._avg("kv_bytes_per_token", model).add(kv_bytes / held)
@@ -131,8 +147,16 @@ class CostModel:
             self._avg("link", prefill, decode).add(kv_bytes / transfer)
         if kv_bytes and copy > 0:
             self._avg("copy", model).add(kv_bytes / copy)
+        streamed = dec.get("handoff_mode") == "streamed"
+        if streamed and pre.get("kv_chunk_tokens"):
+            self._avg("chunk_tokens", prefill).add(pre["kv_chunk_tokens"])
         if ttft is not None:
-            parts = prefill_time + transfer + copy + float(dec.get("first_token_time") or 0.0)
+            if streamed and kv_bytes and held > 0 and transfer > 0 and copy > 0:
+                moved = _exposed(held, kv_bytes / held, prefill_time, kv_bytes / transfer, kv_bytes / copy,
+                                 pre.get("kv_chunk_tokens") or PRIOR_CHUNK_TOKENS)
+            else:
+                moved = transfer + copy
+            parts = prefill_time + moved + float(dec.get("first_token_time") or 0.0)
             self._avg("fixed", HANDOFF).add(max(0.0, ttft - parts))
 
     def _observe_local(self, decode, dec, ttft) -> None:
@@ -168,10 +192,13 @@ class CostModel:
         return PRIOR_LOCAL_SPEED * PRIOR_PREFILL_SPEEDUP, PRIOR_LOCAL_SPEED, "prior"
 
     def estimate(self, model: str, chars: int, prefill: str | None, decode: str,
-                 prefill_queue: int = 0, reported: tuple = (None, None)) -> dict:
+                 prefill_queue: int = 0, reported: tuple = (None, None), streamed: bool = False,
+                 chunk_tokens: int | None = None) -> dict:
         """Estimated seconds to first token of each path for a prompt of ``chars`` characters; with
         ``prefill_queue`` requests ahead of this one on the prefill server, and the prompt speeds the
-        two servers ``reported`` (their ``/health``) standing in for figures not measured yet."""
+        two servers ``reported`` (their ``/health``) standing in for figures not measured yet.
+        ``streamed``: the handoff would be the overlapped one (its last ``chunk_tokens``, as the prefill
+        server's ``/health`` says, or as measured, are what it leaves exposed)."""
         with self._lock:
             per_token = self._value("chars_per_token", model) or PRIOR_CHARS_PER_TOKEN
             n = max(1, round(chars / per_token))
@@ -179,19 +206,25 @@ class CostModel:
             bpt = self._value("kv_bytes_per_token", model) or PRIOR_KV_BYTES_PER_TOKEN
             link = self._value("link", prefill, decode) or PRIOR_LINK_BYTES_PER_S
             copy = self._value("copy", model) or PRIOR_COPY_BYTES_PER_S
+            chunk = self._value("chunk_tokens", prefill) or chunk_tokens or PRIOR_CHUNK_TOKENS
             fixed_h = self._value("fixed", HANDOFF)
             fixed_l = self._value("fixed", LOCAL)
             wait = prefill_queue * (self._value("prefill_time", prefill) or 0.0)
-        handoff = ((PRIOR_FIXED[HANDOFF] if fixed_h is None else fixed_h) + wait + (n - 1) / p_speed
-                   + (n - 1) * bpt * (1 / link + 1 / copy))
+        prefill_s = (n - 1) / p_speed
+        exposed = (_exposed(n - 1, bpt, prefill_s, link, copy, chunk) if streamed
+                   else (n - 1) * bpt * (1 / link + 1 / copy))
+        handoff = (PRIOR_FIXED[HANDOFF] if fixed_h is None else fixed_h) + wait + prefill_s + exposed
         local = (PRIOR_FIXED[LOCAL] if fixed_l is None else fixed_l) + (n - 1) / d_speed
         return {HANDOFF: round(handoff, 6), LOCAL: round(local, 6), "prompt_tokens": n, "basis": basis,
                 "prefill_speed": round(p_speed, 1), "decode_side_speed": round(d_speed, 1),
-                "kv_bytes_per_token": round(bpt), "link_bytes_per_s": round(link), "prefill_wait": round(wait, 6)}
+                "kv_bytes_per_token": round(bpt), "link_bytes_per_s": round(link), "prefill_wait": round(wait, 6),
+                "handoff_mode": "streamed" if streamed else "whole", "kv_exposed": round(exposed, 6)}
 
     def decide(self, mode: str, model: str, chars: int, prefill: str | None, decode: str | None,
-               prefill_queue: int = 0, reported: tuple = (None, None)) -> Decision:
-        """The path for one request under ``mode`` (``client.route``), with the reason."""
+               prefill_queue: int = 0, reported: tuple = (None, None), streamed: bool = False,
+               chunk_tokens: int | None = None) -> Decision:
+        """The path for one request under ``mode`` (``client.route``), with the reason (``streamed``: the
+        handoff would be the overlapped one)."""
         if mode == HANDOFF or (mode == "auto" and decode is None):
             return Decision(HANDOFF, f"forced: client.route is {mode!r}" if mode == HANDOFF
                             else "no decode server to estimate for", {})
@@ -199,14 +232,21 @@ class CostModel:
             return Decision(LOCAL, "forced: client.route is 'decode_only'", {})
         if prefill is None:
             return Decision(LOCAL, "no prefill server up", {})
-        est = self.estimate(model, chars, prefill, decode, prefill_queue, reported)
+        est = self.estimate(model, chars, prefill, decode, prefill_queue, reported, streamed, chunk_tokens)
         path = HANDOFF if est[HANDOFF] < est[LOCAL] else LOCAL
-        reason = (f"estimated TTFT for ~{est['prompt_tokens']} prompt tokens: handoff {est[HANDOFF] * 1000:.0f} ms, "
-                  f"decode-only {est[LOCAL] * 1000:.0f} ms (speeds {est['prefill_speed']:.0f} vs "
-                  f"{est['decode_side_speed']:.0f} tok/s, {est['basis']})")
+        reason = (f"estimated TTFT for ~{est['prompt_tokens']} prompt tokens: handoff ({est['handoff_mode']}) "
+                  f"{est[HANDOFF] * 1000:.0f} ms, decode-only {est[LOCAL] * 1000:.0f} ms (speeds "
+                  f"{est['prefill_speed']:.0f} vs {est['decode_side_speed']:.0f} tok/s, {est['basis']})")
         return Decision(path, reason, est)
 
     def snapshot(self) -> dict:
         """Every figure measured so far, for status pages and tests."""
         with self._lock:
             return {"/".join(str(k) for k in key): round(avg.value, 6) for key, avg in self._figures.items()}
+
+
+def _exposed(tokens: int, bytes_per_token: float, prefill_s: float, link: float, copy: float, chunk: int) -> float:
+    """Seconds a streamed handoff's KV adds after a prefill of ``prefill_s``: the last chunk's transfer (or
+    the transfer's overrun, when the link is slower than the prefill makes KV) and that chunk's copies."""
+    tail = min(tokens, chunk) * bytes_per_token
+    return max(tail / link, tokens * bytes_per_token / link - prefill_s) + tail / copy

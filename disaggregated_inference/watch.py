@@ -16,7 +16,10 @@ A ``Watch`` reads them and stops waiting, with an ``UpstreamTimeout``, when:
   Marked ``stalled`` too. Waiting for a slot and pulling a KV bundle have their
   own bounds on the server (``queue_timeout``: 503; ``kv_progress_timeout``: 504);
 - **the caller's own deadline** passes (``prefill_timeout``, ``decode_timeout``):
-  marked ``deadline``. The server was working: it is not blamed.
+  marked ``deadline``. The server was working: it is not blamed. A decode server
+  given a streamed KV (the overlapped handoff) waits for the prefill to produce
+  it: until it moves on from that wait (``WAITING``), it has the prefill's
+  allowance too, and the caller's ``decode_timeout`` starts afresh from there.
 """
 from __future__ import annotations
 
@@ -29,16 +32,21 @@ from .errors import UpstreamTimeout
 HEARTBEAT_SECONDS = 1.0
 
 PROGRESS_FACTOR = 4.0  # "several times what its size should take"
+WAITING = ("accepted", "queued", "fetching", "importing")  # a server's phases before its answer's own work
 
 
 class Watch:
     def __init__(self, name: str, silence: float, timeout: float | None, what: str,
-                 prompt_speed: float | None = None, decode_speed: float | None = None, lifted: bool = False):
+                 prompt_speed: float | None = None, decode_speed: float | None = None, lifted: bool = False,
+                 waiting: float | None = None):
         """``lifted``: the deadline will be lifted mid-answer (``lift_deadline``: a stream, once its first
-        piece is in), so reads may wait for the whole silence allowed whatever the deadline."""
+        piece is in), so reads may wait for the whole silence allowed whatever the deadline. ``waiting``: more
+        time allowed while the server is still in a ``WAITING`` phase (a streamed KV's prefill); once it
+        has moved on, the deadline is ``timeout`` from then."""
         now = time.monotonic()
         self.name, self.silence, self.timeout, self.what, self.lifted = name, silence, timeout, what, lifted
-        self.deadline = now + timeout if timeout else None
+        self.deadline = now + timeout + (waiting or 0.0) if timeout else None
+        self.waiting = waiting
         self.prompt_speed, self.decode_speed = prompt_speed, decode_speed
         self.heard_at = self.advanced_at = now
         self.phase, self.evaluated = None, -1
@@ -60,6 +68,10 @@ class Watch:
         now = self.heard_at = time.monotonic()
         status = line.get("status")
         heartbeat = isinstance(status, str) and "error" not in line
+        if self.waiting is not None and not (heartbeat and status in WAITING):
+            self.waiting = None  # the wait for the KV is over: the caller's own deadline from now
+            if self.deadline is not None:
+                self.deadline = now + self.timeout
         if not heartbeat:
             self.advanced_at = now  # a piece, or the answer
         else:

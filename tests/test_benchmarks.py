@@ -330,6 +330,23 @@ def test_hetero():
     assert 0 < imported["kv_bytes"] < exported["bytes"]  # the payload, inside the framed bundle
 
 
+@pytest.mark.slow
+def test_link():
+    # on loopback: the emulated link needs root and network namespaces (tests/test_link_benchmark.py makes one)
+    out = run_quick("link.py", "--loopback-only")
+    assert out["rate_gbit"] is None and out["tokens"] == [512] and out["rounds"] == 1
+    (model,) = out["models"]
+    assert model["model"] == "wide" and len(model["rows"]) == 1
+    for r in model["rows"]:
+        assert r["link"] == "loopback" and r["prompt_tokens"] <= r["tokens"] and r["kv_bytes"] > 0
+        # the streamed handoff happened, imported as it arrived, and answered as the whole one did
+        assert r["greedy_equal"] is True and r["import"] == ["progressive"] and r["canary"] == ["passed"]
+        assert 0 <= r["exposed_transfer_s"] and 0 < r["whole_transfer_s"]
+        assert quotient(r["exposed_vs_whole_transfer"], r["exposed_transfer_s"], r["whole_transfer_s"], 6)
+        assert quotient(r["after_prefill_vs_whole_transfer"], r["ttft_after_prefill_overlapped_s"],
+                        r["whole_transfer_s"], 6)
+
+
 def test_every_benchmark_is_run_here():
     """A script added under benchmarks/ without a test above would break unnoticed."""
     scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - HELPERS

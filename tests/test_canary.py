@@ -308,6 +308,7 @@ def test_the_client_recomputes_a_state_its_canary_refused_and_answers_right(
     name, make = wrong_state
     with DisaggregatedClient(cluster.config, health_check=False) as client:
         client.check_health()
+        client.handoff_mode = "whole"  # the wrong states are made from whole bundles (a streamed one: its own test)
         expected, clean = client.generate("qwen", PROMPT, max_tokens=12)
         assert clean["canary"] == "passed"
         before = canary_counts(http, qwen_decode)

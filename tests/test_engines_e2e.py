@@ -151,13 +151,22 @@ def test_transformers_prefill_hands_over_halves_order_k_and_names_what_it_ran(ur
     assert len(payload) == meta["n_layer"] * 2 * meta["n_kv_heads"] * (len(tokens) - 1) * meta["head_dim_k"] * 4
 
 
-@pytest.mark.parametrize("prefill", ["prefill-mlx", pytest.param("prefill-tf", marks=NEEDS_TORCH)])
-def test_llama_cpp_decode_continues_another_engines_neutral_kv(urls, http, prefill):
-    pre = http.post(urls[prefill] + "/prefill", json={"prompt": LONG_PROMPT, "raw": True}, timeout=120).json()
+@pytest.mark.parametrize("prefill, mode", [("prefill-mlx", "streamed"), pytest.param("prefill-tf", "whole", marks=NEEDS_TORCH),
+                                           pytest.param("prefill-tf", "streamed", marks=NEEDS_TORCH)])
+def test_llama_cpp_decode_continues_another_engines_neutral_kv(urls, http, prefill, mode):
+    pre = http.post(urls[prefill] + "/prefill", json={"prompt": LONG_PROMPT, "raw": True, "handoff_mode": mode},
+                    timeout=120).json()
     assert pre["handoff"] == "neutral_kv"
+    # transformers streams its KV layer by layer; MLX, asked to, hands it over whole and says why
+    streams = mode == "streamed" and prefill == "prefill-tf"
+    assert pre["kv"]["mode"] == ("streamed" if streams else "whole"), pre
+    if mode == "streamed" and not streams:
+        assert pre["metrics"]["handoff_mode"] == "whole" and pre["metrics"]["handoff_mode_reason"], pre
     body = {"max_new_tokens": N_TOKENS, "temperature": 0}
     answer = http.post(urls["decode-llama"] + "/decode", json={"kv": pre["kv"], **body}, timeout=300).json()
     m = answer["metrics"]
+    if streams:  # llama.cpp takes a neutral stream whole before converting it; the prefill's figures from its end
+        assert m["handoff_mode"] == "streamed" and m["prefill_metrics"]["handoff_mode"] == "streamed", m
     assert m["method"] == "kv_handoff" and m["handoff"] == "neutral_kv" and m["prompt_tokens_recomputed"] == 1, m
     assert m["canary"] == "passed" and m["canary_divergence"] < LLAMA_TOLERANCE, m
     assert m["kv_convert_time"] > 0  # float32 -> the f16 cache (and, from transformers, K into interleaved order)

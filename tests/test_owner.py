@@ -201,3 +201,50 @@ def test_a_cancelled_batched_stream_frees_its_slot_and_sequence():
         time.sleep(0.01)
     assert owner.slot_stats()["busy"] == 0 and sorted(backend.free) == [0, 1, 2, 3]
     assert len(backend.steps) < 10_000
+
+
+def test_a_parked_request_lets_the_others_step_and_goes_on_once_woken():
+    from disaggregated_inference.backends.base import Eval, Wait
+
+    backend, arrived = BatchedFake(), threading.Event()
+
+    def waiting(b, cancelled):  # a decode whose streamed KV is still on its way
+        yield Wait(arrived.is_set)
+        ev = Eval(9, [1], 0)
+        yield ev
+        yield Event(metrics={})
+
+    owner = ready_owner(backend)
+    parked = owner.stream(waiting)
+    other = list(owner.stream(lambda b, cancelled: b.count(20, cancelled)))  # steps while the first waits
+    assert len(other) == 21 and all(9 not in step for step in backend.steps)
+    idle = len(backend.steps)
+    time.sleep(0.3)
+    assert len(backend.steps) == idle  # parked alone: no stepping, no spinning
+    arrived.set()
+    owner.wake()
+    assert len(list(parked)) == 1
+    assert len(backend.steps) == idle + 1 and backend.steps[-1] == [9]  # its own step, once it went on
+    assert owner.slot_stats()["busy"] == 0
+
+
+def test_a_parked_request_that_is_cancelled_frees_its_slot():
+    from disaggregated_inference.backends.base import Wait
+
+    backend, cleaned = BatchedFake(), []
+
+    def waiting(b, cancelled):
+        try:
+            yield Wait(lambda: False)
+        finally:
+            cleaned.append(True)
+
+    owner = ready_owner(backend)
+    stream = owner.stream(waiting)
+    time.sleep(0.1)
+    stream.close()
+    owner.wake()
+    deadline = time.time() + 5
+    while (owner.slot_stats()["busy"] or not cleaned) and time.time() < deadline:
+        time.sleep(0.01)
+    assert cleaned == [True] and owner.slot_stats()["busy"] == 0

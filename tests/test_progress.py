@@ -3,7 +3,8 @@
 - ``server/progress.py``: a request's work on a helper thread, a heartbeat line whenever the next line
   is slow, an error as the last line with its HTTP status, the work stopped when the client goes;
 - ``watch.py``: silence is a stalled server, heartbeats with no progress for several times what the
-  server's speed says are too, and the caller's own deadline is not the server's fault;
+  server's speed says are too, and the caller's own deadline is not the server's fault (a streamed KV's
+  decode has the prefill's allowance while it waits for that KV);
 - the owner counts the prompt tokens a batched backend evaluates for a request;
 - ``base.check_bound``: text that cannot fit the context by the vocabulary's longest token is refused
   before it is tokenized.
@@ -86,6 +87,22 @@ def test_silence_is_a_stalled_server_and_a_deadline_is_the_callers():
     assert watch.heard({"done": True, "metrics": {}}) is False  # an answer that arrived is taken
     watch.lift_deadline()
     assert watch.heard({"text": "x", "done": False}) is False
+
+
+def test_a_streamed_kvs_decode_has_the_prefills_allowance_while_it_waits_then_its_own_deadline():
+    # the decode server of an overlapped handoff waits for the prefill to make the KV: that wait is not decode time
+    watch = Watch("d1", silence=5.0, timeout=0.1, what="decode_timeout", waiting=0.3)
+    time.sleep(0.15)
+    assert watch.heard({"status": "importing"}) is True  # past decode_timeout, within the prefill's allowance
+    assert watch.heard({"status": "decode", "generated": 1}) is True  # moved on: decode_timeout from here
+    time.sleep(0.15)
+    with pytest.raises(UpstreamTimeout) as info:
+        watch.heard({"text": "x", "done": False})
+    assert info.value.details.get("deadline") and "decode_timeout" in info.value.message
+    waiting = Watch("d2", silence=5.0, timeout=0.1, what="decode_timeout", waiting=0.1)
+    time.sleep(0.25)
+    with pytest.raises(UpstreamTimeout):  # the prefill's allowance is bounded too
+        waiting.heard({"status": "importing"})
 
 
 def test_heartbeats_without_progress_are_given_up_after_several_times_what_the_speed_says():

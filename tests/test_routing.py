@@ -191,3 +191,89 @@ def test_forced_routes_work_in_generate_and_stream(tiny_cluster):
         assert m["method"] == "kv_handoff" and "forced" in m["route_reason"]
         *_, streamed = client.stream("qwen", FEW, max_tokens=2, route="handoff")
         assert streamed["method"] == "kv_handoff" and streamed["canary"] == "passed"
+
+
+# -- the overlapped handoff (issue 29): the router counts only what the stream leaves after the prefill --
+
+PROD_KV = 96 << 10  # qwen3-coder's KV per token (48 layers x 4 KV heads x 128 x K and V x f16)
+
+
+def streamed_handoff(model: CostModel, tokens: int, prefill_speed: float, kv_per_token: int, link: float,
+                     copy: float, fixed: float, chunk: int = 512) -> float:
+    """Feed one streamed handoff measured as a real one reports it; returns the TTFT it was given."""
+    took = tokens / prefill_speed
+    kv = tokens * kv_per_token
+    tail = min(tokens, chunk) * kv_per_token
+    exposed = max(tail / link, kv / link - took) + tail / copy
+    pre = {"prompt_tokens": tokens + 1, "prompt_tokens_evaluated": tokens, "prefill_time": took,
+           "kv_read_time": kv / copy / 2, "kv_chunk_tokens": chunk, "handoff_mode": "streamed"}
+    dec = {"prompt_tokens": tokens + 1, "kv_bytes": kv, "kv_transfer_time": kv / link, "kv_load_time": kv / copy / 2,
+           "first_token_time": 0.01, "handoff_mode": "streamed"}
+    ttft = fixed + took + exposed + 0.01
+    model.observe("m", 4 * (tokens + 1), HANDOFF, "p", "d", pre, dec, ttft)
+    return ttft
+
+
+def test_the_streamed_handoff_pays_where_the_whole_state_handoff_does_not():
+    # a prefill server that is faster than the decode machine but not by much (a busy GPU, a big model) and a
+    # 10 Gbit/s link: 8k tokens of production-width KV (790 MB) take 0.63 s to move, as long as part of the prefill
+    model = CostModel()
+    for _ in range(3):
+        handoff(model, 4000, prefill_speed=2000, kv_per_token=PROD_KV, link=1.25e9)
+        local(model, 2000, speed=1800)
+    chars = 4 * 8000
+    whole = model.decide("auto", "m", chars, "p", "d")
+    streamed = model.decide("auto", "m", chars, "p", "d", streamed=True)
+    assert whole.path == LOCAL and whole.estimates["handoff_mode"] == "whole"
+    assert streamed.path == HANDOFF and streamed.estimates["handoff_mode"] == "streamed"
+    assert "handoff (streamed)" in streamed.reason
+    # the stream hides the transfer behind the 4 s prefill: only the last chunk's 512 tokens are left
+    tail = 512 * PROD_KV
+    assert streamed.estimates["kv_exposed"] == pytest.approx(tail / 1.25e9 + tail / 4e9, rel=0.05)
+    assert whole.estimates[HANDOFF] - streamed.estimates[HANDOFF] == pytest.approx(
+        whole.estimates["kv_exposed"] - streamed.estimates["kv_exposed"], abs=1e-6)
+
+
+def test_on_a_link_slower_than_the_prefill_the_stream_hides_only_the_prefill_time():
+    model = CostModel()
+    for _ in range(3):
+        handoff(model, 4000, prefill_speed=40_000, kv_per_token=PROD_KV, link=1.25e8)  # a fast GPU, 1 Gbit/s
+    est = model.estimate("m", 4 * 8000, "p", "d", streamed=True)
+    total = 7999 * PROD_KV
+    assert est["kv_exposed"] == pytest.approx(total / 1.25e8 - 7999 / 40_000 + 512 * PROD_KV / 4e9, rel=0.05)
+
+
+def test_the_last_chunk_is_the_prefill_servers_n_batch():
+    model = CostModel()
+    small = model.estimate("m", 4 * 8000, "p", "d", streamed=True, chunk_tokens=128)
+    large = model.estimate("m", 4 * 8000, "p", "d", streamed=True, chunk_tokens=2048)
+    assert large["kv_exposed"] == pytest.approx(16 * small["kv_exposed"], rel=0.01)
+    # once a streamed handoff reported its chunk, that figure wins over what /health said
+    streamed_handoff(model, 8000, 4000, PROD_KV, 1.25e9, 4e9, fixed=0.02, chunk=256)
+    assert model.estimate("m", 4 * 8000, "p", "d", streamed=True, chunk_tokens=2048)["kv_exposed"] == pytest.approx(
+        model.estimate("m", 4 * 8000, "p", "d", streamed=True, chunk_tokens=256)["kv_exposed"])
+
+
+def test_a_streamed_handoffs_hidden_transfer_does_not_inflate_the_fixed_cost():
+    model = CostModel()
+    for _ in range(5):
+        streamed_handoff(model, 8000, prefill_speed=4000, kv_per_token=PROD_KV, link=1.25e9, copy=4e9, fixed=0.02)
+    assert model.snapshot()["fixed/handoff"] == pytest.approx(0.02, abs=1e-3)
+    assert model.snapshot()["link/p/d"] == pytest.approx(1.25e9, rel=1e-3)
+    assert model.snapshot()["chunk_tokens/p"] == 512
+
+
+def test_the_client_routes_for_the_stream_only_where_the_prefill_server_streams(tmp_path):
+    cfg = cluster_config.coerce(cluster_config_dict())
+    with DisaggregatedClient(cfg, health_check=False) as client:
+        client.route = "auto"
+        prefill = next(s for s in client.servers.values() if s.entry.role == "prefill" and s.entry.model == "qwen")
+        decode = next(s for s in client.servers.values() if s.entry.role == "decode" and s.entry.model == "qwen")
+        decode.health = {"handoff_modes": ["whole", "streamed"], "slots": {"total": 1}}
+        prefill.health = {"handoff_modes": ["whole", "streamed"], "model_info": {"n_batch": 256}, "slots": {"total": 1}}
+        assert client._route("qwen", {"prompt": LONG}, None).estimates["handoff_mode"] == "streamed"
+        prefill.health = {"handoff_modes": ["whole"], "slots": {"total": 1}}  # a sliding-window model
+        assert client._route("qwen", {"prompt": LONG}, None).estimates["handoff_mode"] == "whole"
+        client.handoff_mode = "whole"
+        prefill.health = {"handoff_modes": ["whole", "streamed"], "slots": {"total": 1}}
+        assert client._route("qwen", {"prompt": LONG}, None).estimates["handoff_mode"] == "whole"

@@ -176,3 +176,19 @@ def test_an_unavailable_device_is_a_config_error_naming_it():
     with pytest.raises(ConfigError) as err:
         backend.load()
     assert err.value.field == "device"
+
+
+def test_a_streamed_prefill_hands_over_each_layer_of_each_chunk_as_it_is_computed(engines, prefilled):
+    from disaggregated_inference.kv import stream
+
+    tf = engines[0]
+    sink = stream.StreamingBundle()
+    streamed = tf.prefill(PROMPT, kv_stream=sink)
+    # the same bytes as the export after the prefill, handed over as a piece per layer and chunk of n_batch
+    assert bytes(memoryview(streamed.payload).cast("B")) == bytes(prefilled.payload)
+    assert streamed.meta["neutral"] == prefilled.meta["neutral"] and streamed.metrics["handoff_mode"] == "streamed"
+    meta = prefilled.meta["neutral"]
+    chunks = -(-meta["n_kv_tokens"] // tf.settings.n_batch)
+    assert len(sink.pieces) == meta["n_layer"] * chunks
+    assert sink.pieces[0] == neutral.token_segments(meta, 0, 0, min(meta["n_kv_tokens"], tf.settings.n_batch))
+    assert sink.prefill_ended_at is not None and sink.header.meta["neutral"] == meta

@@ -39,6 +39,7 @@ separate ``Event``s.
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Iterator
 
@@ -197,6 +198,16 @@ class Eval:
         return self.done >= len(self.tokens)
 
 
+@dataclass(eq=False)
+class Wait:
+    """What a batched backend's request yields when it cannot go on until something outside the model
+    happens (the next pieces of a streamed KV bundle): the owner parks it, evaluating the others, and
+    advances it again once ``ready()`` is true (checked after each step and whenever the owner is woken:
+    ``ModelOwner.wake``)."""
+
+    ready: Callable[[], bool]
+
+
 def rate(n, seconds: float):
     """Tokens per second, rounded; None when there is nothing to divide."""
     return round(n / seconds, 2) if n and seconds > 0 else None
@@ -285,6 +296,15 @@ class Backend(abc.ABC):
     canary: CanaryPolicy = CanaryPolicy()
     # whether ``Sampling.ignore_eos`` is honoured (the server refuses it where it is not)
     ignores_eos: ClassVar[bool] = False
+    # the overlapped handoff (kv/stream.py): None or ``{"enabled": False, "reason": ...}`` where ``prefill``
+    # hands the KV over whole; ``{"enabled": True}`` where ``prefill(prompt, kv_stream=sink)`` hands it to the
+    # sink piece by piece as it is evaluated; ``{"enabled": None}`` until ``probe_kv_streaming()`` (run on the
+    # model's thread at the first streamed request) has found out
+    kv_streaming: dict | None = None
+    # bundle kinds decode() takes while a streamed bundle still arrives (``received.incoming`` set: it imports
+    # the pieces as they land, yielding ``Wait`` in between; BatchedBackend only); any other kind is pulled whole
+    # first
+    imports_streamed: ClassVar[tuple] = ()
 
     def __init__(self, settings: ModelSettings):
         self.settings = settings
@@ -314,8 +334,9 @@ class Backend(abc.ABC):
         """What produced this backend's bundles; a decode side refuses any mismatch."""
 
     @abc.abstractmethod
-    def prefill(self, prompt: Prompt) -> Prefilled:
-        """Evaluate the prompt (all of it, or all but its last token, which decode then evaluates)."""
+    def prefill(self, prompt: Prompt, kv_stream=None) -> Prefilled:
+        """Evaluate the prompt (all of it, or all but its last token, which decode then evaluates); with
+        ``kv_stream`` (given only where ``kv_streaming`` is enabled) hand its KV to that sink as it is made."""
 
     @abc.abstractmethod
     def decode(self, received: Received, sampling: Sampling, cancelled: Cancelled) -> Iterator[Event]:
@@ -373,6 +394,8 @@ class BatchedBackend(Backend):
     ``Prefilled`` as the generator's value. Each step the owner gathers the
     pending ``Eval`` of every active request and calls ``evaluate`` once with all
     of them; a request is sent its ``Eval`` back once all of its tokens are in.
+    A request may yield a ``Wait`` instead (a streamed KV bundle's next pieces):
+    it is parked, the others going on, until the ``Wait`` is ready.
     Requests join and leave between steps; a request's generator is closed when
     it is cancelled, and its cleanup must free whatever it held (its sequence).
     At most ``slots`` requests are active at once.
@@ -389,8 +412,8 @@ class BatchedBackend(Backend):
 
     def run(self, request):
         """Drive one request generator (``prefill``/``decode``/``generate``) to its end on the calling
-        thread, alone in every batch (tests, benchmarks, tools); returns (the events it yielded, its
-        return value)."""
+        thread, alone in every batch (tests, benchmarks, tools; a ``Wait`` polled until it is ready);
+        returns (the events it yielded, its return value)."""
         events = []
         try:
             while True:
@@ -398,6 +421,9 @@ class BatchedBackend(Backend):
                 if isinstance(item, Eval):
                     while not item.complete:
                         self.evaluate([item])
+                elif isinstance(item, Wait):
+                    while not item.ready():
+                        time.sleep(0.001)
                 else:
                     events.append(item)
         except StopIteration as stop:

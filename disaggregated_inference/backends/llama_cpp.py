@@ -31,6 +31,15 @@ to the request's ``chat.Output`` and yields what it reads (answer, reasoning,
 tool calls); the format decides which tokens end the generation, and when the
 loop feeds the model text itself (a reasoning budget spent) or starts the
 grammar of a schema that constrains the answer only.
+
+**Streamed handoff.** Given a sink (``kv/stream.py``), ``prefill`` lays the
+state out at its final size at once and hands over each chunk's rows as soon as
+the chunk is evaluated (cached cells at once), read straight from the cache
+tensors (``llama_cells.py``); ``decode`` of a streamed bundle imports the
+state's skeleton when it arrives and writes each later piece's rows into the
+cache as it lands, so that when the prefill ends only its last chunk is left
+to move. Models whose state the cache tensors do not reproduce (sliding-window
+models) hand over the whole state (``kv_streaming`` says why).
 """
 from __future__ import annotations
 
@@ -52,9 +61,10 @@ from ..kv import buffers
 from ..kv.buffers import HUGE_THRESHOLD, sendable
 from ..kv.bundle import KIND_LLAMA_SEQ_STATE, KIND_NEUTRAL_KV, KIND_TOKEN_IDS
 from ..errors import BadRequest, BundleError, FingerprintMismatch
+from . import llama_cells
 from .gguf import resolve_gguf
 from .gguf_vocab import longest_token_bytes
-from .base import (BatchedBackend, ChatSettings, Eval, Event, Prefilled, Prompt, Received, Sampling, check_fits,
+from .base import (BatchedBackend, ChatSettings, Eval, Event, Prefilled, Prompt, Received, Sampling, Wait, check_fits,
                    gguf_prompt_tokens, rate)
 from .gguf_vocab import chat_format_of, end_tokens
 from .options import option
@@ -88,6 +98,10 @@ class LlamaCppBackend(BatchedBackend):
     accepts = (KIND_LLAMA_SEQ_STATE, KIND_NEUTRAL_KV, KIND_TOKEN_IDS)
     Settings = LlamaCppSettings
     ignores_eos = True
+    imports_streamed = (KIND_LLAMA_SEQ_STATE,)  # decode() takes its own state while it arrives (parking on Wait)
+
+    # tokens evaluated at load to check that the cache tensors reproduce the state API's export
+    PROBE_TEXT = b"The cells of one sequence, laid out from the cache tensors and exported."
 
     @classmethod
     def compute_threads(cls, settings) -> int:
@@ -109,6 +123,10 @@ class LlamaCppBackend(BatchedBackend):
         self._prefix_cache = False
         self._state_bytes_per_token = 0.0  # of the last export: sizes the next export buffer in advance
         self._batch_capacity = 0
+        self._cells: llama_cells.CacheCells | None = None  # direct row access (streamed handoffs), when it checks out
+        self._cells_reason: str | None = None
+        self._cells_probed = False
+        self._batches = 0  # llama_decode calls: a row's logits are valid until the next one
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -178,7 +196,44 @@ class LlamaCppBackend(BatchedBackend):
         }
         # not on sliding-window models: their cache drops the cells a prefix's later tokens would need
         self._prefix_cache = bool(s.prefix_cache) and not self._fingerprint["n_swa"]
+        self._cells, self._cells_reason, self._cells_probed = None, None, False
         progress(f"loaded in {time.perf_counter() - started:.1f}s")
+
+    def probe_kv_streaming(self, seq: int | None = None) -> dict:
+        """Check, once, that the cache's rows can be moved directly (``llama_cells.probe``): in ``seq``
+        (a slot this request holds, left empty), else in a free slot. On the model's thread. Done at the
+        first streamed handoff, not at load: its first evaluation costs what a first request would."""
+        if not self._cells_probed:
+            import llama_cpp
+
+            self._cells_probed = True
+            tokens = self.model.tokenize(self.PROBE_TEXT, add_bos=True, special=False)
+            borrowed = seq is None
+            if borrowed:  # a free slot, one that keeps no cached prompt if there is one
+                seq = next((s for s in reversed(self._free) if s not in self._cached), self._free[-1])
+                self._free.remove(seq)
+                self._cached.pop(seq, None)
+            try:
+                llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx.ctx), seq, -1, -1)
+                self._cells = llama_cells.probe(self, seq, tokens)
+            except llama_cells.Unavailable as exc:
+                self._cells_reason = str(exc)
+            except Exception as exc:  # a build whose functions misbehave: the whole-state handoff still works
+                self._cells_reason = f"probe failed: {type(exc).__name__}: {exc}"
+            finally:
+                if borrowed:
+                    self._release(seq)
+                else:
+                    llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx.ctx), seq, -1, -1)
+        return self.kv_streaming
+
+    @property
+    def kv_streaming(self) -> dict:
+        """Whether prefill streams the KV as chunks are evaluated and decode imports a stream as it arrives
+        (``enabled``; None until the first streamed handoff checked it), and if not, why."""
+        if not self._cells_probed:
+            return {"enabled": None, "reason": "checked at the first streamed handoff"}
+        return {"enabled": self._cells is not None, "reason": self._cells_reason}
 
     def fingerprint(self) -> dict:
         return dict(self._fingerprint)
@@ -214,7 +269,8 @@ class LlamaCppBackend(BatchedBackend):
                 "deterministic": bool(self.settings.deterministic),
                 "library_version": self._fingerprint.get("library_version"),
                 "chat_format": self.chat.name if self.chat is not None else None,
-                "chat_template": self.chat.source if self.chat is not None else None}
+                "chat_template": self.chat.source if self.chat is not None else None,
+                "kv_streaming": self.kv_streaming, "n_batch": self.settings.n_batch}
 
     def close(self) -> None:
         import llama_cpp
@@ -423,6 +479,7 @@ class LlamaCppBackend(BatchedBackend):
                 n += 1
             placed.append((ev, take, n - 1))
         b.n_tokens = n
+        self._batches += 1
         rc = llama_cpp.llama_decode(self.ctx.ctx, b)
         if rc != 0:
             raise RuntimeError(f"llama_decode failed ({rc}) for a batch of {n} tokens")
@@ -535,18 +592,13 @@ class LlamaCppBackend(BatchedBackend):
         self.import_state(seq, received, state)
         return time.perf_counter() - started, converted
 
-    def import_state(self, seq: int, received: Received, state=None) -> float:
-        """Load a bundle's KV (or ``state``, the llama.cpp state made from it) into sequence ``seq``;
-        afterwards ``received.payload`` is dropped."""
+    def _set_state(self, seq: int, payload) -> bool:
+        """Load a single-stream state into ``seq`` (converted to this context's streams in place, in the
+        room received buffers have around them); llama.cpp's verdict."""
         import llama_cpp
 
-        started = time.perf_counter()
-        payload = memoryview(received.payload if state is None else state).cast("B")
+        payload = memoryview(payload).cast("B")
         head, tail = self.receive_room()
-        if self.slots > 1:
-            # the conversion rewrites the state's first bytes, which the checksum may still be reading:
-            # with one slot there is nothing to convert, and the check overlaps the import instead
-            received.verify()
         try:
             room = buffers.room_around(payload, head, tail)
             if room is None:  # not received with room around it (in-process use): one copy
@@ -560,8 +612,31 @@ class LlamaCppBackend(BatchedBackend):
             src = (ctypes.c_uint8 * n).from_buffer(state)  # writable buffers: no copy
         except TypeError:
             src = (ctypes.c_uint8 * n).from_buffer_copy(state)
-        ok = llama_cpp.llama_state_seq_set_data(self.ctx.ctx, src, n, seq)
-        del src, state, room, payload
+        return bool(llama_cpp.llama_state_seq_set_data(self.ctx.ctx, src, n, seq))
+
+    def _check_positions(self, seq: int, n_tokens: int) -> None:
+        """The imported cache must end where the bundle's token ids say (all but the last evaluated)."""
+        import llama_cpp
+
+        mem = llama_cpp.llama_get_memory(self.ctx.ctx)
+        pos_max = llama_cpp.llama_memory_seq_pos_max(mem, seq)
+        if pos_max != n_tokens - 2:
+            llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
+            raise BundleError(f"KV state covers positions up to {pos_max}, but the bundle's {n_tokens} "
+                              f"token ids need {n_tokens - 2}", field="kv")
+
+    def import_state(self, seq: int, received: Received, state=None) -> float:
+        """Load a bundle's KV (or ``state``, the llama.cpp state made from it) into sequence ``seq``;
+        afterwards ``received.payload`` is dropped."""
+        import llama_cpp
+
+        started = time.perf_counter()
+        if self.slots > 1:
+            # the conversion rewrites the state's first bytes, which the checksum may still be reading:
+            # with one slot there is nothing to convert, and the check overlaps the import instead
+            received.verify()
+        ok = self._set_state(seq, received.payload if state is None else state)
+        state = None
         received.payload = None  # free the received copy as soon as llama.cpp holds the state
         mem = llama_cpp.llama_get_memory(self.ctx.ctx)
         try:
@@ -571,31 +646,98 @@ class LlamaCppBackend(BatchedBackend):
             raise
         if not ok:
             raise BundleError("llama.cpp refused the KV state (layout does not match this context)", field="kv")
-        k = len(received.tokens) - 1
-        pos_max = llama_cpp.llama_memory_seq_pos_max(mem, seq)
-        if pos_max != k - 1:
-            llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
-            raise BundleError(f"KV state covers positions up to {pos_max}, but the bundle's {len(received.tokens)} "
-                              f"token ids need {k - 1}", field="kv")
+        self._check_positions(seq, len(received.tokens))
         return time.perf_counter() - started
 
-    def prefill(self, prompt: Prompt):
+    def _import_streamed(self, seq: int, received: Received):
+        """Generator (yields ``Wait``): import a streamed state while it arrives; returns (seconds spent
+        importing on this thread, how: "progressive" or "at_end").
+
+        Progressive: its first piece is the state's skeleton (``SeqLayout``): once it is in, the state is
+        imported as it stands (every row not arrived yet zero or stale), which lays the cells out; each
+        later piece's rows are then written into the cache as they land. Pieces complete before that
+        import went in with it. With no direct row access here, or a layout that is not this context's,
+        the whole state is imported once it is all in. A stream that fails leaves nothing imported
+        (``decode``'s cleanup empties the slot)."""
+        incoming, n = received.incoming, len(received.tokens) - 1
+        self.probe_kv_streaming(seq)
+        yield Wait(lambda: bool(incoming.pieces) or incoming.settled())
+        if not incoming.pieces:
+            received.verify()  # the pull's error
+        layout = self._cells.layout if self._cells is not None else None
+        if (layout is not None and incoming.header.payload_bytes == layout.size(n)
+                and list(incoming.pieces[0].segments) == layout.skeleton_segments(n)):
+            spent, t = 0.0, time.perf_counter()
+            seen = len(incoming.pieces)  # complete before the import reads the buffer: they go in with it
+            if not self._set_state(seq, received.payload):
+                raise BundleError("llama.cpp refused the KV state (layout does not match this context)", field="kv")
+            self._check_positions(seq, len(received.tokens))
+            spent += time.perf_counter() - t
+            while True:
+                new = incoming.pieces_since(seen)
+                t = time.perf_counter()
+                for piece in new:
+                    try:
+                        self._cells.write(seq, n, received.payload, piece.segments)
+                    except llama_state.StateLayoutError as exc:
+                        raise BundleError(f"a KV piece is not rows of this state: {exc}", field="kv") from None
+                spent += time.perf_counter() - t
+                seen += len(new)
+                if (incoming.complete or incoming.settled()) and len(incoming.pieces) == seen:
+                    break
+                yield Wait(lambda: len(incoming.pieces) > seen or incoming.settled())
+            if incoming.error is not None:
+                received.verify()
+            return spent, "progressive"  # every row is in; the end marker (and the canary) may still come
+        yield Wait(incoming.settled)
+        received.verify()
+        return self.import_state(seq, received), "at_end"
+
+    def _last_token_meanwhile(self, seq: int, received: Received):
+        """Generator: with every row of a streamed state in place but its end (the canary, which the
+        prefill side computes from its last token) still on its way, evaluate the last token now rather
+        than after it; returns that ``Eval`` for ``_continue``, or None when other requests' steps ran
+        while the end was awaited (the row's logits are gone: the token is evaluated again)."""
+        import llama_cpp
+
+        incoming, last = received.incoming, len(received.tokens) - 1
+        ev = Eval(seq, [received.tokens[-1]], last)
+        yield ev
+        mark = self._batches
+        yield Wait(incoming.settled)
+        received.verify()
+        if self._batches == mark:
+            return ev
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx.ctx), seq, last, -1)
+        return None
+
+    def prefill(self, prompt: Prompt, kv_stream=None):
+        """Evaluate all but the prompt's last token and export its KV (with ``kv_stream``, a sink of
+        ``kv/stream.py``: hand it over chunk by chunk as the chunks are evaluated; see ``kv_streaming``)."""
         t0 = time.perf_counter()
         tokens, stops, chat_name = self.prompt_tokens(prompt)
         tokenize_time = time.perf_counter() - t0
         self._check_fits(len(tokens))
+        if kv_stream is not None and not self.probe_kv_streaming()["enabled"]:
+            raise RuntimeError(f"this model's KV cannot be streamed: {self._cells_reason}")
         seq, cached = self._acquire(tokens)
         keep = None
         try:
-            prepared = self._prepare_buffer(len(tokens) - 1)
-            t1 = time.perf_counter()
-            yield from self._evaluate_all_but_last(seq, tokens, cached)
-            prefill_time = time.perf_counter() - t1
-            buffer = prepared()
-            t2 = time.perf_counter()
-            payload = self.export_state(seq, buffer)
-            export_time = time.perf_counter() - t2
-            del buffer
+            if kv_stream is not None:
+                t1 = time.perf_counter()
+                payload, read_time = yield from self._prefill_streamed(
+                    seq, tokens, cached, {"stop": list(stops), "chat": chat_name}, kv_stream)
+                prefill_time, export_time = time.perf_counter() - t1, read_time
+            else:
+                prepared = self._prepare_buffer(len(tokens) - 1)
+                t1 = time.perf_counter()
+                yield from self._evaluate_all_but_last(seq, tokens, cached)
+                prefill_time = time.perf_counter() - t1
+                buffer = prepared()
+                t2 = time.perf_counter()
+                payload = self.export_state(seq, buffer)
+                export_time = time.perf_counter() - t2
+                del buffer
             # the canary: the last prompt token, evaluated after the export (which therefore still ends one
             # token early, as the decode side expects), gives the next-token distribution to check against
             t3 = time.perf_counter()
@@ -614,14 +756,51 @@ class LlamaCppBackend(BatchedBackend):
         meta = {"stop": list(stops), "chat": chat_name}  # how the decode side reads what it generates
         if canary is not None:
             meta["canary"] = canary
-        return Prefilled(
-            kind=KIND_LLAMA_SEQ_STATE, tokens=tokens, payload=payload, fingerprint=self.fingerprint(), meta=meta,
-            metrics={"prompt_tokens": len(tokens), "prompt_tokens_evaluated": evaluated,
-                     "prompt_tokens_cached": cached, "tokenize_time": round(tokenize_time, 6),
-                     "prefill_time": round(prefill_time, 6),
-                     "prefill_speed": rate(evaluated, prefill_time), "kv_export_time": round(export_time, 6),
-                     "kv_bytes": len(payload), "canary_ms": round(canary_time * 1000, 3) if canary else None},
-        )
+        metrics = {"prompt_tokens": len(tokens), "prompt_tokens_evaluated": evaluated,
+                   "prompt_tokens_cached": cached, "tokenize_time": round(tokenize_time, 6),
+                   "prefill_time": round(prefill_time, 6), "prefill_speed": rate(evaluated, prefill_time),
+                   "kv_bytes": len(payload), "canary_ms": round(canary_time * 1000, 3) if canary else None,
+                   "handoff_mode": "streamed" if kv_stream is not None else "whole"}
+        # streamed: the rows read from the cache chunk by chunk (part of prefill_time); else the export after it
+        metrics["kv_read_time" if kv_stream is not None else "kv_export_time"] = round(export_time, 6)
+        if kv_stream is not None:
+            metrics["kv_chunk_tokens"] = self.settings.n_batch  # the last chunk's KV is what leaves after the prefill
+        return Prefilled(kind=KIND_LLAMA_SEQ_STATE, tokens=tokens, payload=payload, fingerprint=self.fingerprint(),
+                         meta=meta, metrics=metrics)
+
+    def _prefill_streamed(self, seq: int, tokens: list[int], cached: int, header_meta: dict, sink):
+        """Generator: evaluate ``tokens[cached:-1]`` into ``seq`` chunk by chunk (the boundaries
+        ``evaluate`` keeps: multiples of ``n_batch``, so the numerics are the whole evaluation's), handing
+        ``sink`` the state's skeleton first, then each chunk's rows (the cached ones at once) as soon as
+        they are final. Returns (the payload, seconds spent reading rows)."""
+        n, chunk = len(tokens) - 1, self.settings.n_batch
+        layout = self._cells.layout
+        payload = sendable(layout.size(n))
+        buffers.populate(payload)  # its pages fault in beside the first chunk's evaluation, not in its reads
+        skeleton = layout.skeleton(n, seq, payload)
+        sink.open(KIND_LLAMA_SEQ_STATE, tokens, payload, self.fingerprint(), header_meta)
+        sink.ready(skeleton)
+        read = 0.0
+
+        def publish(c0: int, c1: int) -> None:
+            nonlocal read
+            t = time.perf_counter()
+            for segments in self._cells.read(seq, n, c0, c1, payload):  # a piece per layer: K rows, V rows
+                sink.ready(segments)
+            read += time.perf_counter() - t
+            sink.progress(c1)
+
+        if cached:
+            publish(0, cached)
+        start = cached
+        while start < n:
+            end = min(n, (start // chunk + 1) * chunk)
+            ev = Eval(seq, tokens[start:end], start, logits=False)
+            yield ev
+            publish(start, end)
+            start = end
+        sink.ended()
+        return payload, read
 
     def decode(self, received: Received, sampling: Sampling, cancelled) -> Iterator:
         started = time.perf_counter()
@@ -632,10 +811,17 @@ class LlamaCppBackend(BatchedBackend):
         seq, cached = self._acquire(received.tokens if received.kind == KIND_TOKEN_IDS else None)
         keep = None
         try:
-            canary = None
-            converted = {}
+            canary, streamed, early, converted = None, {}, None, {}
             if received.kind == KIND_LLAMA_SEQ_STATE:
-                load_time = self.import_state(seq, received)
+                if received.incoming is not None:  # still arriving: imported as it comes
+                    load_time, how = yield from self._import_streamed(seq, received)
+                    streamed = {"kv_import": how}
+                    if not received.incoming.settled():
+                        early = yield from self._last_token_meanwhile(seq, received)
+                    received.verify()  # every byte in, every piece checked; or the pull's error
+                    received.payload = None
+                else:
+                    load_time = self.import_state(seq, received)
                 method, recomputed = "kv_handoff", 0
                 canary = received.meta.get("canary") or {}  # {}: the bundle has none (reported as absent)
             elif received.kind == KIND_NEUTRAL_KV:  # another engine's KV, written as this context's state
@@ -651,7 +837,8 @@ class LlamaCppBackend(BatchedBackend):
             yield from self._continue(seq, received.tokens, sampler, output, sampling, cancelled=cancelled,
                                       started=started, recomputed=recomputed, canary=canary,
                                       extra={"kv_load_time": round(load_time, 6), "method": method,
-                                             "prompt_tokens_cached": cached, **converted})
+                                             "prompt_tokens_cached": cached, **streamed, **converted},
+                                      evaluated=early)
             keep = received.tokens
         finally:
             sampler.close()
@@ -745,7 +932,7 @@ class LlamaCppBackend(BatchedBackend):
         return self.model.tokenize(text.encode("utf-8"), add_bos=False, special=True)
 
     def _continue(self, seq, tokens, sampler, output: chat.Output, sampling: Sampling, *, cancelled, started,
-                  recomputed, extra, canary: dict | None = None):
+                  recomputed, extra, canary: dict | None = None, evaluated: Eval | None = None):
         """Evaluate the prompt's last token in ``seq`` (which holds the rest), then sample the answer.
 
         Each sampled token goes to ``output`` (``take``: the chat format's reading of it) and what it reads
@@ -756,8 +943,9 @@ class LlamaCppBackend(BatchedBackend):
 
         With ``canary`` (a handed-over state; ``{}`` when its bundle carried none), the next-token
         distribution is checked against the prefill side's first: ``CanaryMismatch`` before anything
-        is sampled when it is beyond tolerance. The caller closes the sampler it passed; one made here
-        is closed here."""
+        is sampled when it is beyond tolerance. ``evaluated``: that token's ``Eval``, already done
+        (a streamed state's, while its canary was on its way), its row still valid. The caller closes the
+        sampler it passed; one made here is closed here."""
         import llama_cpp
 
         ends = self._end_ids(output.format)
@@ -766,8 +954,9 @@ class LlamaCppBackend(BatchedBackend):
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         generated, fed, finish = 0, 0, "length"
         t_gen = time.perf_counter()
-        ev = Eval(seq, [tokens[-1]], len(tokens) - 1)
-        yield ev
+        ev = evaluated or Eval(seq, [tokens[-1]], len(tokens) - 1)
+        if evaluated is None:
+            yield ev
         recomputed += 1
         if canary is not None:
             extra = {**extra, **self.canary.check(canary, self._row_logits(ev.row), self.engine,

@@ -35,6 +35,13 @@ An engine built on ``NeutralKVBackend`` provides the model:
 and may replace ``step(token, cache)``, the next token's logits (``evaluate``
 of that one token by default).
 
+An engine whose forward pass can say when a layer is done with a chunk sets
+``kv_streaming`` enabled and provides ``evaluate_streamed(tokens, cache,
+layer_done)``: the overlapped handoff (``kv/stream.py``) then lays the neutral
+payload out before the prompt is evaluated, and each layer's K and V of each
+chunk are copied into their place and handed over as one piece while the
+layers above still compute. Without it the KV is handed over whole.
+
 Answers are read by the model's chat format (chat/), as llama.cpp's loop reads
 them: reasoning, answer and tool calls apart, the format's end tokens, a
 reasoning budget that moves the model on to its answer. These engines have no
@@ -50,7 +57,7 @@ from typing import Iterator
 
 from .. import chat
 from ..errors import BadRequest, FingerprintMismatch
-from ..kv import neutral
+from ..kv import buffers, neutral
 from ..kv.bundle import KIND_NEUTRAL_KV, KIND_TOKEN_IDS
 from .base import Backend, ChatSettings, Event, Prefilled, Prompt, Received, Sampling, check_fits, rate
 
@@ -112,6 +119,15 @@ class NeutralKVBackend(Backend):
         """The logits after ``token``, a sampled one, evaluated on ``cache``."""
         return self.evaluate([token], cache)
 
+    # the overlapped handoff: off unless the engine provides ``evaluate_streamed``
+    kv_streaming = {"enabled": False, "reason": "this engine hands its KV over once the prompt is evaluated"}
+
+    def evaluate_streamed(self, tokens, cache, layer_done):
+        """``evaluate``, calling ``layer_done(il, start, end, read)`` each time layer ``il`` has run on prompt
+        tokens ``start..end-1``; ``read()`` returns that layer's K and V of those tokens as numpy arrays
+        (n_kv_heads, end - start, head_dim), valid until the layer runs on the next chunk."""
+        raise NotImplementedError(f"the {self.name} backend does not stream its KV")
+
     # -- shared --------------------------------------------------------------------------------
 
     def fingerprint(self) -> dict:
@@ -169,18 +185,27 @@ class NeutralKVBackend(Backend):
 
     # -- the verbs -------------------------------------------------------------------------------
 
-    def prefill(self, prompt: Prompt) -> Prefilled:
+    def prefill(self, prompt: Prompt, kv_stream=None) -> Prefilled:
+        """Evaluate all but the prompt's last token and hand its KV over as a neutral bundle; with ``kv_stream``
+        (a sink of ``kv/stream.py``, given only where ``kv_streaming`` is enabled) piece by piece as the
+        layers compute it."""
         t0 = time.perf_counter()
         tokens, stops, chat_name = self.vocab.prompt_tokens(prompt)
         tokenize_time = time.perf_counter() - t0
         check_fits(len(tokens), self.settings.n_ctx)
         cache = self.new_cache()
         t1 = time.perf_counter()
-        evaluated = self._evaluate_all_but_last(tokens, cache)
-        prefill_time = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        meta, payload = neutral.encode(self.export_neutral(cache, evaluated))
-        export_time = time.perf_counter() - t2
+        if kv_stream is not None:
+            meta, payload, export_time = self._prefill_streamed(tokens, cache, {"stop": list(stops), "chat": chat_name},
+                                                                kv_stream)
+            evaluated = max(0, len(tokens) - 1)
+            prefill_time = time.perf_counter() - t1
+        else:
+            evaluated = self._evaluate_all_but_last(tokens, cache)
+            prefill_time = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            meta, payload = neutral.encode(self.export_neutral(cache, evaluated))
+            export_time = time.perf_counter() - t2
         extra = {"stop": list(stops), "chat": chat_name, "neutral": meta}
         t3 = time.perf_counter()
         if self.canary.top_k > 0:  # after the export: the bundle still ends one token early (kv/canary.py)
@@ -190,10 +215,44 @@ class NeutralKVBackend(Backend):
             kind=KIND_NEUTRAL_KV, tokens=tokens, payload=payload, fingerprint=self.fingerprint(), meta=extra,
             metrics={"prompt_tokens": len(tokens), "prompt_tokens_evaluated": evaluated,
                      "tokenize_time": round(tokenize_time, 6), "prefill_time": round(prefill_time, 6),
-                     "prefill_speed": rate(evaluated, prefill_time), "kv_export_time": round(export_time, 6),
-                     "kv_bytes": len(payload),
+                     "prefill_speed": rate(evaluated, prefill_time),
+                     # streamed: the layers' reads and copies into the payload, made during the prefill (part of it)
+                     "kv_read_time" if kv_stream is not None else "kv_export_time": round(export_time, 6),
+                     "kv_bytes": len(memoryview(payload).cast("B")),
+                     "handoff_mode": "streamed" if kv_stream is not None else "whole",
                      "canary_ms": round(canary_time * 1000, 3) if "canary" in extra else None},
         )
+
+    def _prefill_streamed(self, tokens, cache, header_meta: dict, sink) -> tuple[dict, object, float]:
+        """Evaluate ``tokens[:-1]`` into ``cache`` handing ``sink`` each layer's K and V of each chunk as soon as
+        that layer has run on it (``evaluate_streamed``); returns (meta, payload, read and copy time)."""
+        n, layout = max(0, len(tokens) - 1), self.expected_layout()
+        meta = neutral.validate_meta({
+            "layout": neutral.LAYOUT, "dtype": self.kv_dtype, "n_layer": layout["n_layer"],
+            "n_kv_heads": layout["n_kv_heads"], "head_dim_k": layout["head_dim_k"], "head_dim_v": layout["head_dim_v"],
+            "n_kv_tokens": n, "pos_start": 0, "rope": layout["rope"], "head_dim_order": layout["head_dim_order"],
+            "model": self.identity()})
+        payload = buffers.sendable(neutral.payload_bytes(meta))
+        buffers.populate(payload)
+        arrays = [(k, v) for _, k, v in neutral.iter_layers(meta, payload)]
+        sink.open(KIND_NEUTRAL_KV, tokens, payload, self.fingerprint(), {**header_meta, "neutral": meta})
+        copied = 0.0
+
+        def layer_done(il: int, start: int, end: int, read) -> None:
+            nonlocal copied
+            t = time.perf_counter()
+            keys, values = read()
+            arrays[il][0][:, start:end] = keys
+            arrays[il][1][:, start:end] = values
+            sink.ready(neutral.token_segments(meta, il, start, end))
+            if il == len(arrays) - 1:
+                sink.progress(end)
+            copied += time.perf_counter() - t
+
+        if n:
+            self.evaluate_streamed(tokens[:-1], cache, layer_done)
+        sink.ended()
+        return meta, payload, copied
 
     def decode(self, received: Received, sampling: Sampling, cancelled) -> Iterator[Event]:
         started = time.perf_counter()

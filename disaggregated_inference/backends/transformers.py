@@ -15,6 +15,11 @@ checkpoint-order weights (tests/test_transformers_backend.py compares its K with
 llama.cpp's, which is "interleaved"). An MLX decode server permutes K on import.
 Decode takes ``neutral_kv`` from any engine (K permuted into halves where it
 arrives interleaved) or ``token_ids``; generate is the decode-only fallback.
+
+Streamed (the overlapped handoff, ``kv/stream.py``): a forward hook after each
+decoder layer hands that layer's K and V of the chunk just evaluated over
+(``evaluate_streamed``), so the layers' bytes leave while the layers above them
+still compute.
 ``json_schema`` is refused (400): no grammar-constrained sampling here.
 
 ``device``: ``auto`` (CUDA when torch sees it, else the CPU), ``cpu``, ``cuda``,
@@ -134,6 +139,25 @@ class TransformersBackend(NeutralKVBackend):
                 ids = torch.tensor([tokens[start:start + step]], device=self.device)
                 logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         return logits[0, -1].float()
+
+    kv_streaming = {"enabled": True, "reason": None}  # a forward hook per decoder layer (evaluate_streamed)
+
+    def evaluate_streamed(self, tokens, cache, layer_done):
+        def after(il: int):
+            def hook(module, args, output):
+                chunk = (output[0] if isinstance(output, tuple) else output).shape[1]
+                layer = cache.layers[il]
+                end = layer.keys.shape[-2]
+                layer_done(il, end - chunk, end, lambda: (_as_numpy(layer.keys[0, :, end - chunk:end]),
+                                                          _as_numpy(layer.values[0, :, end - chunk:end])))
+            return hook
+
+        hooks = [layer.register_forward_hook(after(il)) for il, layer in enumerate(self.model.model.layers)]
+        try:
+            return self.evaluate(tokens, cache)
+        finally:
+            for handle in hooks:
+                handle.remove()
 
     @property
     def kv_dtype(self) -> str:

@@ -109,6 +109,28 @@ def sendable(n: int, tailroom: int = PAGE):
     return memoryview(buf)[headroom:headroom + n]
 
 
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in, writable, without writing to them
+
+
+def populate(buf) -> threading.Thread | None:
+    """Fault a fresh buffer's pages in on a thread of its own, so that whoever writes into it meanwhile (a
+    streamed export, chunk by chunk) does not pay a page fault per page; nothing is written, so the two
+    never race. None where the kernel cannot (the writes then fault as usual)."""
+    view = memoryview(buf).cast("B")
+    if len(view) < HUGE_THRESHOLD or not hasattr(os, "memfd_create"):
+        return None
+    start = _address(view) // PAGE * PAGE
+    length = -(-(_address(view) + len(view) - start) // PAGE) * PAGE
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def run() -> None:
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_POPULATE_WRITE)  # EINVAL: too old
+
+    worker = threading.Thread(target=run, name="kv-populate", daemon=True)
+    worker.start()
+    return worker
+
+
 def _close_file(fd: int, size: int) -> None:
     os.close(fd)
     usage.add(-size)

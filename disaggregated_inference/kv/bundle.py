@@ -31,9 +31,28 @@ guards the transfer against truncation and corruption; the fingerprint guards
 identity (model file digest, library version, cache types). The header carries
 the size and checksum of the payload up front so a reader can allocate once and
 check as it goes.
+
+**Streamed bundles** (version ``STREAMED_VERSION``) leave while the prompt is
+still being evaluated: the payload's parts go out as they become final, each in
+a piece with its own checksum, and what only the end of the prefill knows (the
+canary) comes last. The preamble is the same (its header's ``payload_bytes`` is
+the final size, ``payload_crc32c`` is 0: the pieces carry the checksums), so the
+fingerprint is checked before the first piece is used. Then::
+
+    b"P"  u32 n segments, n x (u64 payload offset, u32 length), u32 CRC-32C of
+          the piece's bytes in segment order, then those bytes: they belong at
+          those offsets of the payload. No byte of the payload is sent twice.
+    b"K"  u32 progress (prompt tokens evaluated so far): sent while nothing else
+          is, so that a reader can tell a long prefill from a dead sender
+    b"T"  u32 length, JSON object: the trailer (meta the header could not carry
+          yet, such as the canary, and the prefill's own measurements)
+    b"E"  u32 pieces, u64 bytes: the end; the reader checks that the pieces
+          covered every payload byte exactly once
+    b"X"  as above: the sender gave up (the prefill failed half-way)
 """
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import os
@@ -47,6 +66,7 @@ import crc32c as _crc32c
 
 MAGIC = b"DISAGGKV"
 FORMAT_VERSION = 1
+STREAMED_VERSION = 2  # pieces as they become final, the trailer last (see above)
 CONTENT_TYPE = "application/octet-stream"
 
 KIND_LLAMA_SEQ_STATE = "llama_seq_state"
@@ -58,6 +78,7 @@ KIND_NEUTRAL_KV = "neutral_kv"
 KINDS = (KIND_LLAMA_SEQ_STATE, KIND_TOKEN_IDS, KIND_NEUTRAL_KV)
 
 TAG_DATA, TAG_END, TAG_ERROR = b"D", b"E", b"X"
+TAG_PIECE, TAG_PROGRESS, TAG_TRAILER = b"P", b"K", b"T"  # streamed bundles only
 DEFAULT_CHUNK = 4 << 20  # 4 MiB frames
 MAX_FRAME = 0xFFFFFFFF  # a data frame's length is a u32
 MAX_HEADER_BYTES = 1 << 20
@@ -66,6 +87,10 @@ MAX_TOKENS = 1 << 22
 _PREAMBLE = struct.Struct("<8sHI")
 _U32 = struct.Struct("<I")
 _ERROR = struct.Struct("<HI")
+_SEGMENT = struct.Struct("<QI")  # payload offset, length
+_STREAM_END = struct.Struct("<IQ")  # pieces, bytes
+MAX_SEGMENTS = 1 << 16
+MAX_TRAILER_BYTES = 1 << 20
 
 
 class BundleFormatError(ValueError):
@@ -185,12 +210,12 @@ def decode_tokens(raw: bytes) -> list[int]:
     return list(struct.unpack(f"<{len(raw) // 4}I", raw))
 
 
-def encode_preamble(header: BundleHeader, tokens) -> bytes:
+def encode_preamble(header: BundleHeader, tokens, version: int = FORMAT_VERSION) -> bytes:
     """Magic, version, header and token ids: everything before the frames."""
     if len(tokens) != header.n_tokens:
         raise ValueError(f"header says {header.n_tokens} tokens, got {len(tokens)}")
     raw = header.to_json()
-    return _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(raw)) + raw + encode_tokens(tokens)
+    return _PREAMBLE.pack(MAGIC, version, len(raw)) + raw + encode_tokens(tokens)
 
 
 def encode_frame_head(length: int) -> bytes:
@@ -339,17 +364,26 @@ def _readinto_exact(src: BinaryIO, view: memoryview, what: str) -> None:
         filled += n
 
 
-def read_preamble(src: BinaryIO) -> tuple[BundleHeader, list[int]]:
+def read_preamble(src: BinaryIO, versions: tuple = (FORMAT_VERSION,)) -> tuple[BundleHeader, list[int]]:
+    """The header and token ids of a bundle of one of ``versions`` (``read_any_preamble`` says which)."""
+    _, header, tokens = read_any_preamble(src, versions)
+    return header, tokens
+
+
+def read_any_preamble(src: BinaryIO, versions: tuple = (FORMAT_VERSION, STREAMED_VERSION)
+                      ) -> tuple[int, BundleHeader, list[int]]:
+    """The version, header and token ids of a bundle whose version is one of ``versions``."""
     magic, version, header_len = _PREAMBLE.unpack(_read_exact(src, _PREAMBLE.size, "preamble"))
     if magic != MAGIC:
         raise BundleFormatError("not a KV bundle (bad magic bytes)")
-    if version != FORMAT_VERSION:
-        raise BundleFormatError(f"bundle format version {version} is not supported (expected {FORMAT_VERSION})")
+    if version not in versions:
+        expected = " or ".join(str(v) for v in versions)
+        raise BundleFormatError(f"bundle format version {version} is not supported (expected {expected})")
     if header_len > MAX_HEADER_BYTES:
         raise BundleFormatError(f"bundle header of {header_len} bytes is too large")
     header = BundleHeader.from_json(_read_exact(src, header_len, "header"))
     tokens = decode_tokens(_read_exact(src, 4 * header.n_tokens, "token ids"))
-    return header, tokens
+    return version, header, tokens
 
 
 def read_bundle(src: BinaryIO, max_payload_bytes: int | None = None,
@@ -362,7 +396,8 @@ def read_bundle(src: BinaryIO, max_payload_bytes: int | None = None,
 
 def receive_bundle(src: BinaryIO, max_payload_bytes: int | None = None,
                    allocate: Callable[[int], object] = bytearray, checksum_alongside: bool = True,
-                   check_header: Callable[[BundleHeader], None] | None = None) -> Arrived:
+                   check_header: Callable[[BundleHeader], None] | None = None,
+                   preamble: tuple[BundleHeader, list] | None = None) -> Arrived:
     """Read one bundle; return it as soon as its last byte is in, its checksum perhaps still running.
 
     The payload is read straight into one buffer from ``allocate(size)`` (the
@@ -371,9 +406,10 @@ def receive_bundle(src: BinaryIO, max_payload_bytes: int | None = None,
     ``_RunningChecksum``), and ``Arrived.check`` compares it with both the
     header and the end marker. Everything else (framing, sizes, truncation) is
     checked here. ``check_header`` sees the header before any payload byte is
-    read, and may raise to stop there.
+    read, and may raise to stop there. ``preamble``: the header and token ids,
+    when the caller has read them already (``read_any_preamble``).
     """
-    header, tokens = read_preamble(src)
+    header, tokens = preamble if preamble is not None else read_preamble(src)
     if check_header is not None:
         check_header(header)
     if max_payload_bytes is not None and header.payload_bytes > max_payload_bytes:
@@ -423,3 +459,156 @@ def to_bytes(header: BundleHeader, tokens, payload) -> bytes:
     buf = io.BytesIO()
     write_bundle(buf, header, tokens, payload)
     return buf.getvalue()
+
+
+# -- streamed bundles ------------------------------------------------------------------------------
+
+def encode_piece(view: memoryview, segments) -> tuple[bytes, list[memoryview]]:
+    """A piece frame for ``segments`` ((offset, length) pairs) of the payload ``view``: its head (tag,
+    segment table, CRC-32C of the bytes in segment order) and the bytes themselves, as views."""
+    if not 0 < len(segments) <= MAX_SEGMENTS:
+        raise ValueError(f"a piece has 1 to {MAX_SEGMENTS} segments, got {len(segments)}")
+    parts, crc = [], 0
+    for offset, length in segments:
+        if offset < 0 or length <= 0 or offset + length > len(view):
+            raise ValueError(f"segment ({offset}, {length}) is outside a payload of {len(view)} bytes")
+        parts.append(view[offset:offset + length])
+        crc = payload_checksum(parts[-1], crc)
+    head = (TAG_PIECE + _U32.pack(len(segments)) + b"".join(_SEGMENT.pack(o, n) for o, n in segments)
+            + _U32.pack(crc))
+    return head, parts
+
+
+def encode_progress(done: int) -> bytes:
+    return TAG_PROGRESS + _U32.pack(max(0, min(done, 0xFFFFFFFF)))
+
+
+def encode_trailer(trailer: dict) -> bytes:
+    raw = json.dumps(trailer, separators=(",", ":"), sort_keys=True).encode()
+    if len(raw) > MAX_TRAILER_BYTES:
+        raise ValueError(f"a trailer of {len(raw)} bytes is too large")
+    return TAG_TRAILER + _U32.pack(len(raw)) + raw
+
+
+def encode_stream_end(pieces: int, nbytes: int) -> bytes:
+    return TAG_END + _STREAM_END.pack(pieces, nbytes)
+
+
+class Coverage:
+    """Which bytes of a payload of ``size`` bytes pieces have filled: each byte at most once."""
+
+    def __init__(self, size: int):
+        self.size, self.filled = size, 0
+        self._starts: list[int] = []  # disjoint filled ranges [start, end), sorted, adjacent ones merged
+        self._ends: list[int] = []
+
+    @property
+    def complete(self) -> bool:
+        return self.filled == self.size
+
+    def add(self, offset: int, length: int) -> None:
+        end = offset + length
+        if length <= 0 or offset < 0 or end > self.size:
+            raise BundleFormatError(f"piece segment ({offset}, {length}) is outside the payload of {self.size} bytes")
+        i = bisect.bisect_right(self._starts, offset)
+        if (i and self._ends[i - 1] > offset) or (i < len(self._starts) and self._starts[i] < end):
+            raise BundleFormatError(f"piece segment ({offset}, {length}) overlaps bytes already received")
+        joins_left = bool(i) and self._ends[i - 1] == offset
+        joins_right = i < len(self._starts) and self._starts[i] == end
+        if joins_left and joins_right:
+            self._ends[i - 1] = self._ends.pop(i)
+            self._starts.pop(i)
+        elif joins_left:
+            self._ends[i - 1] = end
+        elif joins_right:
+            self._starts[i] = offset
+        else:
+            self._starts.insert(i, offset)
+            self._ends.insert(i, end)
+        self.filled += length
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A piece as received: its segments ((payload offset, length) pairs) are in the payload, checked."""
+
+    segments: tuple
+    nbytes: int
+
+
+def read_stream_frame(src: BinaryIO, view: memoryview, coverage: Coverage) -> tuple[str, object]:
+    """Read the next frame of a streamed bundle whose payload is ``view``.
+
+    Returns ``("piece", Piece)`` once the piece's bytes are in place and their
+    checksum matched, ``("progress", tokens)``, ``("trailer", dict)`` or
+    ``("end", (pieces, bytes))`` (after checking that every byte arrived);
+    raises ``BundleFormatError`` for anything malformed (a bad checksum, an
+    overlap, a truncated frame) and ``BundleRemoteError`` for an error frame.
+    """
+    tag = _read_exact(src, 1, "frame tag")
+    if tag == TAG_PIECE:
+        (n,) = _U32.unpack(_read_exact(src, 4, "piece head"))
+        if not 0 < n <= MAX_SEGMENTS:
+            raise BundleFormatError(f"implausible segment count {n} in a piece")
+        table = _read_exact(src, n * _SEGMENT.size + 4, "piece head")
+        segments = tuple(_SEGMENT.unpack_from(table, i * _SEGMENT.size) for i in range(n))
+        (declared,) = _U32.unpack_from(table, n * _SEGMENT.size)
+        crc = 0
+        for offset, length in segments:
+            coverage.add(offset, length)
+            part = view[offset:offset + length]
+            _readinto_exact(src, part, "piece")
+            crc = payload_checksum(part, crc)
+        if crc != declared:
+            raise BundleFormatError(f"piece checksum mismatch: computed CRC-32C {crc:08x}, declared {declared:08x}")
+        return "piece", Piece(segments, sum(length for _, length in segments))
+    if tag == TAG_PROGRESS:
+        return "progress", _U32.unpack(_read_exact(src, 4, "progress"))[0]
+    if tag == TAG_TRAILER:
+        (length,) = _U32.unpack(_read_exact(src, 4, "trailer length"))
+        if length > MAX_TRAILER_BYTES:
+            raise BundleFormatError(f"trailer of {length} bytes is too large")
+        try:
+            trailer = json.loads(_read_exact(src, length, "trailer").decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise BundleFormatError(f"bundle trailer is not valid JSON: {exc}") from None
+        if not isinstance(trailer, dict):
+            raise BundleFormatError("bundle trailer is not a JSON object")
+        return "trailer", trailer
+    if tag == TAG_END:
+        pieces, nbytes = _STREAM_END.unpack(_read_exact(src, _STREAM_END.size, "end marker"))
+        if nbytes != coverage.filled or not coverage.complete:
+            raise BundleFormatError(f"streamed bundle incomplete: {coverage.filled} of {coverage.size} payload bytes "
+                                    f"arrived, the sender says it sent {nbytes}")
+        return "end", (pieces, nbytes)
+    if tag == TAG_ERROR:
+        code, length = _ERROR.unpack(_read_exact(src, _ERROR.size, "error frame"))
+        raise BundleRemoteError(code, _read_exact(src, length, "error message").decode("utf-8", "replace"))
+    raise BundleFormatError(f"unknown frame tag {tag!r} in a streamed bundle")
+
+
+def read_streamed(src: BinaryIO, allocate: Callable[[int], object] = bytearray
+                  ) -> tuple[BundleHeader, list[int], object, dict]:
+    """Read one whole streamed bundle (tests, tools): header, token ids, the assembled payload, trailer."""
+    header, tokens = read_preamble(src, (STREAMED_VERSION,))
+    payload = allocate(header.payload_bytes)
+    view, coverage, trailer = memoryview(payload).cast("B"), Coverage(header.payload_bytes), {}
+    while True:
+        kind, value = read_stream_frame(src, view, coverage)
+        if kind == "trailer":
+            trailer = value
+        elif kind == "end":
+            return header, tokens, payload, trailer
+
+
+def write_streamed(out: BinaryIO, header: BundleHeader, tokens, payload, pieces, trailer: dict | None = None) -> None:
+    """Write a whole streamed bundle whose ``pieces`` (lists of segments) are all final (tests, tools)."""
+    view = memoryview(payload).cast("B")
+    out.write(encode_preamble(header, tokens, STREAMED_VERSION))
+    for segments in pieces:
+        head, parts = encode_piece(view, segments)
+        out.write(head)
+        for part in parts:
+            out.write(part)
+    out.write(encode_trailer(trailer or {}))
+    out.write(encode_stream_end(len(pieces), sum(n for segments in pieces for _, n in segments)))

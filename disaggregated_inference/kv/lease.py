@@ -4,6 +4,11 @@ A bundle is held until it has been fetched whole or its lease runs out,
 whichever comes first; then the table drops its last reference and the
 payload's memory is freed. A failed or partial fetch leaves the lease in place
 so the decode side can try again before it expires.
+
+A streamed bundle (``kv/stream.py``) is leased while its prompt is still being
+evaluated: its lease does not run out before the prefill ends (``start_clock``
+starts it then), and it is freed at once when its one pull breaks off or the
+prefill fails, since what it holds can no longer be handed over whole.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ class Lease:
     expires_at: float
     created_at: float = field(default_factory=time.time)
     framed: object = None  # sender.Framed when the whole bundle lies in the payload's file
+    streaming: object = None  # stream.StreamingBundle while (and after) its payload is produced
 
     @property
     def nbytes(self) -> int:
@@ -52,9 +58,11 @@ class LeaseTable:
             self._sweeper = threading.Thread(target=self._sweep_loop, args=(sweep_every,), name="lease-sweeper", daemon=True)
             self._sweeper.start()
 
-    def put(self, header, tokens, payload, ttl_seconds: float | None = None, framed=None) -> Lease:
+    def put(self, header, tokens, payload, ttl_seconds: float | None = None, framed=None, streaming=None) -> Lease:
+        """Hold a bundle for ``ttl_seconds`` (a ``streaming`` one: from ``start_clock`` on)."""
         ttl = self.ttl if ttl_seconds is None else float(ttl_seconds)
-        lease = Lease(secrets.token_urlsafe(18), header, tokens, payload, self._clock() + ttl, framed=framed)
+        expires = float("inf") if streaming is not None else self._clock() + ttl
+        lease = Lease(secrets.token_urlsafe(18), header, tokens, payload, expires, framed=framed, streaming=streaming)
         with self._lock:
             self._sweep_locked()
             self._check_room_locked(lease.nbytes)
@@ -76,6 +84,15 @@ class LeaseTable:
             raise Overloaded(f"this prefill server holds {held} bytes of KV under leases (limit {self.max_bytes}); "
                              "try another server or later", retry_after=max(1.0, soonest - self._clock()))
 
+    def start_clock(self, handle: str, ttl_seconds: float | None = None) -> float | None:
+        """Start a streamed bundle's lease now (its prefill has ended); the time it expires, None if gone."""
+        with self._lock:
+            lease = self._leases.get(handle)
+            if lease is None:
+                return None
+            lease.expires_at = self._clock() + (self.ttl if ttl_seconds is None else float(ttl_seconds))
+            return lease.expires_at
+
     def get(self, handle: str) -> Lease:
         """The live lease for ``handle``; 410 if it expired, 404 if unknown or fetched."""
         with self._lock:
@@ -88,6 +105,9 @@ class LeaseTable:
             raise LeaseExpired(f"KV lease {handle} expired before it was fetched", field="handle")
         if why == "fetched":
             raise NotFound(f"KV bundle {handle} was already fetched and freed", field="handle")
+        if why in ("failed", "abandoned"):
+            raise NotFound(f"KV bundle {handle} is gone: its prefill {'failed' if why == 'failed' else 'was abandoned'} "
+                           "before it was handed over", field="handle")
         raise NotFound(f"unknown KV handle {handle!r}", field="handle")
 
     def release(self, handle: str, why: str = "fetched") -> None:

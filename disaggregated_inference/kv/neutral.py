@@ -122,6 +122,19 @@ def payload_bytes(meta: dict) -> int:
     return meta["n_layer"] * (k + v)
 
 
+def token_segments(meta: dict, layer: int, start: int, end: int) -> list[tuple[int, int]]:
+    """Where tokens ``start..end-1`` of ``layer`` lie in the payload: per KV head a run of K, then of V
+    (what a producer that streams layer by layer hands over as one piece)."""
+    item = _DTYPES[meta["dtype"]].itemsize
+    k_bytes, v_bytes = layer_bytes(meta)
+    base, t = layer * (k_bytes + v_bytes), meta["n_kv_tokens"]
+    out = []
+    for offset, dim in ((base, meta["head_dim_k"]), (base + k_bytes, meta["head_dim_v"])):
+        row = dim * item
+        out += [(offset + (h * t + start) * row, (end - start) * row) for h in range(meta["n_kv_heads"])]
+    return out
+
+
 def encode(kv: NeutralKV) -> tuple[dict, bytearray]:
     """The bundle ``meta["neutral"]`` and the payload (K then V, layer after layer)."""
     if kv.dtype not in _DTYPES:

@@ -94,7 +94,8 @@ def _print_metrics(metrics: dict) -> None:
             *([("of them reasoning", metrics["reasoning_tokens"])] if metrics.get("reasoning_tokens") else []),
             ("prefill", _fmt_phase(metrics.get("prefill_time"), metrics.get("prefill_speed"))),
             ("decode", _fmt_phase(metrics.get("decode_time"), metrics.get("decode_speed"))),
-            ("KV handed over", _fmt_bytes(metrics.get("kv_bytes"), metrics.get("kv_transfer_time"))),
+            ("KV handed over", _fmt_bytes(metrics.get("kv_bytes"), metrics.get("kv_transfer_time"))
+             + (" (streamed during the prefill)" if metrics.get("handoff_mode") == "streamed" else "")),
             ("prompt tokens recomputed on decode", metrics.get("prompt_tokens_recomputed")),
             ("time to first token (decode server)", _fmt_s(metrics.get("ttft"))),
             ("total", _fmt_s(metrics.get("total_time")))]

@@ -12,6 +12,14 @@ answers them beside the text: ``reasoning`` (its chain of thought, never in
 ``generated_text``) and ``tool_calls`` (``{"name", "arguments"}``, the
 arguments as JSON text); a stream has ``{"reasoning": ...}`` and
 ``{"tool_call": ...}`` lines between its ``{"text": ...}`` lines.
+
+A streamed KV reference (``kv.mode: "streamed"``, the overlapped handoff) is
+pulled while the prefill server still evaluates the prompt: its fingerprint is
+checked as soon as its header is in, and a backend that imports as the pieces
+arrive (llama.cpp) gets the job before the pull ends (the request thread pumps
+the pieces in and wakes the model's owner after each); any other receives it
+whole first. The prefill's own measurements come with the stream's trailer and
+go into the answer's metrics as ``prefill_metrics``.
 """
 from __future__ import annotations
 
@@ -26,7 +34,7 @@ from flask import Flask
 from . import probe, progress, web
 from ..kv import fingerprint, trust
 from .parse import parse_decode, parse_generate
-from ..backends.base import Received
+from ..backends.base import Event, Received
 from ..kv.buffers import BufferPool
 from ..kv.bundle import KIND_NEUTRAL_KV, KIND_TOKEN_IDS
 from ..errors import BadRequest, CanaryMismatch, DisaggError
@@ -41,10 +49,11 @@ def _decode_job(received, sampling, pool, metrics, backend, cancelled):
     checksum (backends check right after importing; this holds for every backend), and the
     receive buffer goes back to the pool once neither the backend nor the checksum reads it.
     A canary that fails (the backend raises before its first event) is counted here."""
-    buffer, verify = received.payload, received.verify
+    buffer, verify, incoming = received.payload, received.verify, received.incoming
     try:
         for event in backend.decode(received, sampling, cancelled):
-            verify()  # returns at once after the first time
+            if isinstance(event, Event):  # what leaves the server (not an Eval or Wait for the owner)
+                verify()  # returns at once after the first time
             yield event
     except CanaryMismatch as exc:
         metrics.observe_canary_failure(exc.details.get("canary_divergence"))
@@ -53,7 +62,10 @@ def _decode_job(received, sampling, pool, metrics, backend, cancelled):
     finally:
         with contextlib.suppress(DisaggError):  # an error already on its way wins
             verify()
-        pool.give(buffer)
+        if incoming is not None and not incoming.finished:
+            incoming.abandon()  # the pull stops at its next frame and hangs up: the prefill server stops too
+        if incoming is None or incoming.closed:  # a pull still writing into the buffer keeps it
+            pool.give(buffer)
 
 
 def check_supported(sampling, backend) -> None:
@@ -196,9 +208,15 @@ def create_app(config=None, backend=None) -> Flask:
         try:
             status.phase = "fetching"
             received, extra = _receive(req)
+            incoming = received.incoming
+            if incoming is not None and received.kind not in st.backend.imports_streamed:
+                _pump(incoming, extra)  # this backend takes the bundle whole: all of it first
+                received.incoming = incoming = None
         except BaseException:
             reservation.release()
             raise
+        if incoming is not None and received.kind not in st.backend.accepts:
+            incoming.close()  # let the backend refuse it (409) without pulling the rest
         extra["queue_time"] = round(reservation.waited, 6)
         extra["handoff"] = received.kind
         extra["kv_fetch_to_queue_time"] = round(time.perf_counter() - received_at, 6)
@@ -206,9 +224,26 @@ def create_app(config=None, backend=None) -> Flask:
             status.phase, status.tokens = "prefill", max(0, len(received.tokens) - 1)
         else:
             status.phase = "importing"
+        if incoming is not None:
+            incoming.on_change = st.owner.wake  # the job parks until pieces are in
         # the job holds the only reference to the bundle; the backend drops its payload once imported
-        return st.owner.stream(partial(_decode_job, received, req.sampling, pool, st.metrics), reservation,
-                               status), extra
+        events = st.owner.stream(partial(_decode_job, received, req.sampling, pool, st.metrics), reservation, status)
+        del received
+        if incoming is not None:  # the rest of the stream, read here while the model's thread imports it
+            try:
+                _pump(incoming, extra)
+            except BaseException:
+                events.close()  # the job stops; its cleanup leaves nothing imported
+                raise
+        return events, extra
+
+    def _pump(incoming, extra: dict) -> None:
+        """Read a streamed bundle to its end; its figures (and the prefill's, from its trailer) into ``extra``."""
+        incoming.pump()
+        extra.update(incoming.stats())
+        if isinstance(incoming.trailer.get("metrics"), dict):
+            extra["prefill_metrics"] = incoming.trailer["metrics"]
+        _observe_transfer(extra, incoming.ref)
 
     def _receive(req):
         extra: dict = {}
@@ -218,22 +253,33 @@ def create_app(config=None, backend=None) -> Flask:
                                     max_bytes=settings.max_kv_bytes, pool=pool,
                                     socket_buffer=settings.kv_socket_buffer_bytes,
                                     sources=settings.trusted_kv_sources,
-                                    progress_timeout=settings.kv_progress_timeout, room=st.backend.receive_room())
-            st.metrics.observe_pull(req.kv.url, extra["kv_bytes"], extra["kv_transfer_time"])
-            if extra["kv_transfer_time"] > settings.slow_transfer_seconds:
-                st.metrics.slow_transfers.inc()
-                log.warning("slow KV transfer: bytes=%d seconds=%.3f url=%s (continuing)", extra["kv_bytes"],
-                            extra["kv_transfer_time"], req.kv.url)
+                                    progress_timeout=settings.kv_progress_timeout, room=st.backend.receive_room(),
+                                    streamed=True)
+            if received.incoming is None:
+                extra["handoff_mode"] = "whole"
+                _observe_transfer(extra, req.kv)
         else:
             received = Received(KIND_TOKEN_IDS, list(req.tokens), b"", req.fingerprint or {})
             extra = {"kv_bytes": 0, "kv_transfer_time": 0.0}
         ours = st.backend.fingerprint()
         # a neutral bundle may come from another engine: the backend checks the weights it names (meta.neutral.model)
         if (req.kv is not None or req.fingerprint) and received.kind != KIND_NEUTRAL_KV:
-            fingerprint.check(ours, received.fingerprint)
+            try:  # a streamed bundle's fingerprint, before any of its pieces is used
+                fingerprint.check(ours, received.fingerprint)
+            except BaseException:
+                if received.incoming is not None:
+                    received.incoming.close()
+                raise
         # bare ids ("tokens"/"context") without a fingerprint: nothing says which tokenizer made them
         extra["fingerprint_checked"] = bool(req.kv is not None or req.fingerprint)
         return received, extra
+
+    def _observe_transfer(extra: dict, ref) -> None:
+        st.metrics.observe_pull(ref.url, extra["kv_bytes"], extra["kv_transfer_time"])
+        if extra["kv_transfer_time"] > settings.slow_transfer_seconds:
+            st.metrics.slow_transfers.inc()
+            log.warning("slow KV transfer: bytes=%d seconds=%.3f url=%s (continuing)", extra["kv_bytes"],
+                        extra["kv_transfer_time"], ref.url)
 
     @app.post("/generate")
     def generate():

@@ -10,8 +10,11 @@ before it pulls a KV bundle, so it never consumes a lease it cannot serve.
 A batched backend (``BatchedBackend``, backends/base.py: llama.cpp) runs every
 admitted request as a generator on the owner thread: each step the owner collects
 the ``Eval`` requests of all of them and the backend evaluates them in one batch
-(continuous batching: requests join and leave between steps). Other backends (Ollama, which batches behind its own
-API) run each request to its end on one of ``slots`` worker threads.
+(continuous batching: requests join and leave between steps). A request that
+waits for something else (a streamed KV bundle's next pieces) yields a ``Wait``
+and is parked, the others going on, until its ``ready()`` holds; whoever makes it
+hold calls ``wake``. Other backends (Ollama, which batches behind its own API)
+run each request to its end on one of ``slots`` worker threads.
 
 With ``cores`` (a ``cores.CoreShare``), the owner takes its share of the machine's cores before
 every step and says when it has nothing to compute, so that servers sharing a machine compute
@@ -39,6 +42,12 @@ from ..errors import BackendUnavailable, Overloaded
 
 log = logging.getLogger(__name__)
 _STOP = object()
+_WAKE = object()
+PARKED_POLL_SECONDS = 1.0  # a parked request's ready() is checked at least this often, woken or not
+
+
+def _is_eval(item) -> bool:
+    return hasattr(item, "seq") and hasattr(item, "tokens")
 
 
 class Reservation:
@@ -198,6 +207,10 @@ class ModelOwner:
         """
         return _JobStream(self._submit(fn, True, reservation, progress))
 
+    def wake(self) -> None:
+        """Have the owner check its parked requests (a ``Wait``'s condition may hold now)."""
+        self._jobs.put(_WAKE)
+
     def close(self) -> None:
         self._jobs.put(_STOP)
 
@@ -234,6 +247,8 @@ class ModelOwner:
                 if job is _STOP:
                     self._jobs.put(_STOP)  # let the other workers see it
                     return
+                if job is _WAKE:  # nothing parks here: each request has its thread
+                    continue
                 with self._lock:
                     self.active += 1
                 try:
@@ -251,10 +266,11 @@ class ModelOwner:
     def _serve_batched(self) -> None:
         active: list[_Task] = []
         while True:
-            if not active and self.cores is not None:
+            stepping = any(_is_eval(t.pending) for t in active)
+            if not stepping and self.cores is not None:  # nothing to compute (parked requests wait on the network)
                 self.cores.idle()
-            try:  # wait for work only when there is nothing to step
-                job = self._jobs.get(block=not active)
+            try:  # wait for work only when there is nothing to step (parked requests are looked at now and then)
+                job = self._jobs.get(block=not stepping, timeout=PARKED_POLL_SECONDS if active else None)
             except queue.Empty:
                 job = None
             while job is not None:
@@ -263,14 +279,18 @@ class ModelOwner:
                         task.gen.close()
                         task.job.reservation.release()
                     return
-                self._start(job, active)
+                if job is not _WAKE:
+                    self._start(job, active)
                 try:
                     job = self._jobs.get_nowait()
                 except queue.Empty:
                     job = None
             for task in [t for t in active if t.job.cancelled]:
                 self._finish(task, active, None)
-            pending = [t for t in active if t.pending is not None]
+            for task in [t for t in active if t.pending is not None and not _is_eval(t.pending)]:
+                if task.pending.ready():
+                    self._advance(task, active)
+            pending = [t for t in active if _is_eval(t.pending)]
             self.active = len(active)
             if not pending:
                 continue
@@ -324,7 +344,7 @@ class ModelOwner:
         try:
             while True:
                 item = task.gen.send(None)
-                if hasattr(item, "seq") and hasattr(item, "tokens"):  # an Eval
+                if _is_eval(item) or hasattr(item, "ready"):  # an Eval, or a Wait: parked until ready()
                     task.pending = item
                     return
                 job.out.put(("item", item))

@@ -165,6 +165,7 @@ class PrefillRequest:
     model: str | None = None
     lease_seconds: float | None = None
     kv_kind: str | None = None  # the bundle kind the decode side wants (None: the backend's own)
+    handoff_mode: str = "whole"  # "streamed": answer at once, the KV leaving as it is evaluated, where it can
     progress: bool = False  # answer with heartbeat lines until the answer (server/progress.py)
 
 
@@ -312,17 +313,24 @@ def _progress(body: dict, stream: bool | None = None) -> bool:
 
 def parse_prefill(body, limits: Limits = DEFAULT_LIMITS, max_lease_seconds: float = 3600.0) -> PrefillRequest:
     body = _require_object(body)
-    _known_keys(body, PROMPT_KEYS | {"lease_seconds", "kv_kind", "progress"})
+    _known_keys(body, PROMPT_KEYS | {"lease_seconds", "kv_kind", "handoff_mode", "progress"})
     kv_kind = _typed(body, "kv_kind", str, None, what="a string")
     if kv_kind not in (None, "llama_seq_state", "neutral_kv"):
         raise BadRequest("'kv_kind' must be 'llama_seq_state' or 'neutral_kv'", field="kv_kind")
+    mode = _typed(body, "handoff_mode", str, "whole", what="a string")
+    if mode not in HANDOFF_MODES:
+        raise BadRequest(f"'handoff_mode' must be one of {', '.join(HANDOFF_MODES)}", field="handoff_mode")
     return PrefillRequest(
         prompt=parse_prompt(body, limits),
         model=_typed(body, "model", str, None, what="a string"),
         lease_seconds=_number(body, "lease_seconds", None, 0.1, max_lease_seconds),
         kv_kind=kv_kind,
+        handoff_mode=mode,
         progress=_progress(body),
     )
+
+
+HANDOFF_MODES = ("whole", "streamed")
 
 
 def parse_kv_ref(value) -> KVRef:
@@ -341,7 +349,10 @@ def parse_kv_ref(value) -> KVRef:
         raise BadRequest("'kv.bytes' must be a non-negative integer", field="kv.bytes")
     if crc is not None and (not isinstance(crc, int) or isinstance(crc, bool)):
         raise BadRequest("'kv.crc32c' must be an integer", field="kv.crc32c")
-    return KVRef(url=value["url"], handle=value["handle"], bytes=size, crc32c=crc)
+    mode = value.get("mode", "whole")
+    if mode not in HANDOFF_MODES:
+        raise BadRequest(f"'kv.mode' must be one of {', '.join(HANDOFF_MODES)}", field="kv.mode")
+    return KVRef(url=value["url"], handle=value["handle"], bytes=size, crc32c=crc, streamed=mode == "streamed")
 
 
 # The other spellings of what /decode continues from, which clients written to the design documents

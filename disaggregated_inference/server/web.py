@@ -130,6 +130,11 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
             "options": options.values(settings.model),  # the model's settings, as its engine declares them
             "handoff": getattr(owner.backend, "handoff_kind", None),
             "accepts": list(getattr(owner.backend, "accepts", ())),  # bundle kinds its /decode continues
+            # whole bundles, and streamed ones (the overlapped handoff): what a prefill server sends, what a
+            # decode server takes (all of this version, imported as they arrive where the backend can)
+            "handoff_modes": ["whole", "streamed"] if settings.role == "decode" or (
+                getattr(owner.backend, "kv_streaming", None) or {"enabled": False}).get("enabled") is not False
+            else ["whole"],
             "progress": owner.progress,
             "error": owner.error,
             "busy": owner.busy,
