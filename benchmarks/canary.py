@@ -99,7 +99,8 @@ def prefill_beside(backend, prompt, companion: list[int]) -> Prefilled:
             backend.evaluate([ev, Eval(other, [companion[i % len(companion)]], i)])
             i += 1
         payload = bytes(backend.export_state(seq))
-        canary = backend.canary.make(backend.logits(seq, [tokens[-1]], len(tokens) - 1), backend.engine, alone=True)
+        canary = backend.canary.make(backend.logits(seq, [tokens[-1]], len(tokens) - 1), backend.engine, alone=True,
+                                     deterministic=getattr(backend.settings, "deterministic", False))
     return Prefilled(KIND_LLAMA_SEQ_STATE, tokens, payload, backend.fingerprint(), {"steps_shared": i},
                      {"canary": canary, "stop": []})
 

@@ -19,6 +19,12 @@ Prints one JSON object (``--json``) or a table. Measured in one run, so ratios c
   what HTTP costs against ``server_8``.
 - ``engine_rounds``: ``--rounds`` rounds (default 3) of bare[8], ``owner_8`` and ``server_8`` back
   to back; the targets take the median of each round's own ratio.
+- ``deterministic``: what batch-invariant steps (the llama.cpp engine's ``deterministic``, on by
+  default) cost, measured in this run: ``server_8``'s figure on two decode servers of the same
+  model side by side, one with ``deterministic`` on and one with it off, measured in turns for
+  ``--rounds`` rounds (``decode_server_8``); and the cluster's tok/s at 8 concurrent requests
+  (prefill -> handoff -> decode) with it on and off (``cluster_8``). ``cost`` is 1 - on/off of
+  the medians. ``--no-deterministic-cost`` skips it.
 - ``levels``: for 1, 2, 4, 8, 16 concurrent requests through ``DisaggregatedClient`` (prefill ->
   KV handoff -> decode), on the multi-slot cluster and on a one-slot cluster (``parallel: 1``):
   requests/s, completion tokens/s, p50/p95 latency and p50/p95 end-to-end TTFT
@@ -234,23 +240,27 @@ def prioritise(pid: int | str = "self") -> None:
         Path(f"/proc/{pid}/autogroup").write_text(str(AUTOGROUP_NICE))
 
 
-def cluster_config(parallel: int, threads: int, tiny: bool = False, models=("qwen",)) -> dict:
-    """The embedded config at ``parallel`` slots; ``tiny`` (--quick): ``models`` alone, on the tiny model."""
+def cluster_config(parallel: int, threads: int, tiny: bool = False, models=("qwen",),
+                   deterministic: bool | None = None) -> dict:
+    """The embedded config at ``parallel`` slots; ``tiny`` (--quick): ``models`` alone, on the tiny model;
+    ``deterministic`` set on every model when given (else each model's own setting)."""
     data = json.loads((ROOT / "config_current.json").read_text())
     if tiny:
         data = quick.on_tiny_model(data, keep=tuple(models))
     for model in data["models"].values():
         model["parallel"] = parallel
         model["n_threads"] = threads
+        if deterministic is not None:
+            model["deterministic"] = deterministic
     data["client"].update(health_check_interval=0, prefill_timeout=600, decode_timeout=900)
     data["server"].update(queue_timeout=600, max_queue=256)
     return data
 
 
 def measure_cluster(parallel: int, levels, models, max_tokens: int, threads: int, say, slos: dict,
-                    detailed: bool = False, tiny: bool = False) -> dict:
+                    detailed: bool = False, tiny: bool = False, deterministic: bool | None = None) -> dict:
     out = {"parallel": parallel, "levels": []}
-    with LocalCluster(cluster_config(parallel, threads, tiny, models), free_ports=True) as cluster:
+    with LocalCluster(cluster_config(parallel, threads, tiny, models, deterministic), free_ports=True) as cluster:
         for process in cluster.processes:
             prioritise(process.proc.pid)
         cluster.wait_healthy(timeout=900)
@@ -352,6 +362,43 @@ def engine_rounds(rounds: int, slots: int, threads: int, say, tiny: bool = False
     return bare, rows
 
 
+def deterministic_cost(rounds: int, slots: int, threads: int, say, tiny: bool, max_new: int, models,
+                       max_tokens: int, slos: dict) -> dict:
+    """``deterministic`` on against off, in this run: two decode servers of "qwen" (one each way, the
+    prefill server idle) measured in turns with 8 streams each (``server_aggregate``), then the
+    cluster at 8 concurrent requests each way."""
+    data = cluster_config(slots, threads, tiny)
+    data["models"] = {"qwen": data["models"]["qwen"]}
+    data["prefill_servers"] = [s for s in data["prefill_servers"] if s["model"] == "qwen"]
+    plain = [dict(s, deterministic=False) for s in data["decode_servers"] if s["model"] == "qwen"]
+    on = [dict(s, deterministic=True, name=s["name"] + "-deterministic", port=s["port"] + 1000) for s in plain]
+    data["decode_servers"] = on + plain
+    rows = []
+    with LocalCluster(data, free_ports=True) as cluster:
+        for process in cluster.processes:
+            prioritise(process.proc.pid)
+        cluster.wait_healthy(timeout=900)
+        urls = {True: cluster.process(on[0]["name"]).url, False: cluster.process(plain[0]["name"]).url}
+        for url in urls.values():
+            server_aggregate(url, 8, 16)  # warm up
+        for r in range(rounds):
+            row = {}
+            for setting in ((True, False) if r % 2 == 0 else (False, True)):  # in turns: drift hits both alike
+                row["on" if setting else "off"] = server_aggregate(urls[setting], 8, max_new)["all_active_tok_s"]
+            rows.append(row)
+            say(f"deterministic round {r + 1}: decode server, 8 streams: on {row['on']} tok/s, off {row['off']} tok/s")
+    on_8, off_8 = _median(r["on"] for r in rows), _median(r["off"] for r in rows)
+    clusters = {}
+    for setting in (True, False):
+        got = measure_cluster(slots, [8], models, max_tokens, threads, say, slos, tiny=tiny, deterministic=setting)
+        clusters["on" if setting else "off"] = got["levels"][0]["completion_tok_s"] if got["levels"] else None
+    return {"decode_server_8": {"rounds": rows, "on_tok_s": on_8, "off_tok_s": off_8,
+                                "cost": round(1 - on_8 / off_8, 3) if on_8 and off_8 else None},
+            "cluster_8": {"on_tok_s": clusters["on"], "off_tok_s": clusters["off"],
+                          "cost": (round(1 - clusters["on"] / clusters["off"], 3)
+                                   if clusters["on"] and clusters["off"] else None)}}
+
+
 def _median(values):
     values = [v for v in values if v is not None]
     return round(statistics.median(values), 3) if values else None
@@ -375,6 +422,10 @@ def main(argv=None) -> int:
     parser.add_argument("--engine-tokens", type=int, default=96, help="tokens each of owner_8's and server_8's "
                                                                       "8 sequences generates")
     parser.add_argument("--detailed", action="store_true", help="every request's figures in each level")
+    parser.add_argument("--no-deterministic-cost", action="store_true",
+                        help="skip measuring deterministic on against off")
+    parser.add_argument("--deterministic-only", action="store_true",
+                        help="measure deterministic on against off only (no bare loop, rounds or levels)")
     serving_metrics.add_slo_argument(parser)
     quick.add_argument(parser)
     args = parser.parse_args(argv)
@@ -386,6 +437,15 @@ def main(argv=None) -> int:
     prioritise()
 
     say = quick.say
+    if args.deterministic_only:
+        determinism = deterministic_cost(max(args.rounds, 2), args.slots, args.threads, say, args.quick,
+                                         max(args.engine_tokens, 768) if args.quick else args.engine_tokens,
+                                         args.models, args.max_tokens, slos)
+        print(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                      "threads": args.threads},
+                          "quick": args.quick, "models": args.models, "engine_tokens": args.engine_tokens,
+                          "max_tokens": args.max_tokens, "deterministic": determinism}, indent=2 if args.json else None))
+        return 0
     bare_sizes, bare_steps = ((1, 8), 32) if args.quick else ((1, 4, 8, 16), 96)
     bare, rounds = engine_rounds(args.rounds, args.slots, args.threads, say, args.quick, bare_sizes,
                                  args.engine_tokens, bare_steps)
@@ -394,6 +454,11 @@ def main(argv=None) -> int:
                             args.detailed, args.quick) if args.levels else {"parallel": args.slots, "levels": []}
     single = None if args.no_single_slot or not args.levels else measure_cluster(
         1, args.levels, args.models, args.max_tokens, args.threads, say, slos, args.detailed, args.quick)
+    # the tiny model's 8 streams overlap too little at --quick's 128 tokens for a window where all are active
+    determinism = None if args.no_deterministic_cost else deterministic_cost(
+        max(args.rounds, 2), args.slots, args.threads, say, args.quick,
+        max(args.engine_tokens, 768) if args.quick else args.engine_tokens, args.models,
+        args.max_tokens, slos)
     one = multi["levels"][0] if multi["levels"] else None
     eight = next((r for r in multi["levels"] if r["concurrency"] == 8), None)
     targets = {
@@ -412,6 +477,9 @@ def main(argv=None) -> int:
         "tok_s_8_over_1_ceiling": (round(eight["tok_s_if_cores_saturated"] / one["completion_tok_s"], 3)
                                    if eight and eight.get("tok_s_if_cores_saturated") else None),
     }
+    if determinism:
+        targets["deterministic_cost_decode_server_8"] = determinism["decode_server_8"]["cost"]
+        targets["deterministic_cost_cluster_8"] = determinism["cluster_8"]["cost"]
     if single:
         s8 = next((r for r in single["levels"] if r["concurrency"] == 8), None)
         targets["tok_s_8_slots_over_single_slot"] = (round(eight["completion_tok_s"] / s8["completion_tok_s"], 3)
@@ -422,7 +490,7 @@ def main(argv=None) -> int:
               "slo_ms": slos or None, "engine_tokens": args.engine_tokens,
               "max_tokens": args.max_tokens, "models": args.models, "bare_tok_s": bare, "engine_rounds": rounds,
               "slots": multi,
-              "single_slot": single, "targets": targets}
+              "single_slot": single, "deterministic": determinism, "targets": targets}
     if args.json:
         print(json.dumps(result, indent=2))
     else:

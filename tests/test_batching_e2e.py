@@ -58,7 +58,8 @@ def backend():
 
     from .conftest import THREADS
 
-    b = create(ModelSettings(model="smollm2", n_threads=THREADS, n_ctx=2048, parallel=4))
+    # plain steps: what batching does without ``deterministic`` (test_determinism.py: with it, nothing)
+    b = create(ModelSettings(model="smollm2", n_threads=THREADS, n_ctx=2048, parallel=4, deterministic=False))
     b.load()
     yield b
     b.close()
@@ -66,12 +67,13 @@ def backend():
 
 @pytest.fixture(scope="module")
 def tiny_backend():
-    """The generated tiny llama in process, four slots: for what is about slots and batches, not logits."""
+    """The generated tiny llama in process, four slots: for what is about slots and batches, not logits
+    (plain steps: one ``llama_decode`` a step, whose batch the test reads)."""
     from disaggregated_inference.backends import ModelSettings, create
 
     from .conftest import tiny_model_settings
 
-    b = create(ModelSettings(**{**tiny_model_settings(), "n_ctx": 2048, "parallel": 4}))
+    b = create(ModelSettings(**{**tiny_model_settings(), "n_ctx": 2048, "parallel": 4, "deterministic": False}))
     b.load()
     yield b
     b.close()

@@ -120,6 +120,23 @@ def test_the_exact_tolerance_needs_the_same_thread_count_on_both_sides():
     assert policy.check(unnamed, y, "llama_cpp/cpu", exact=True, threads=2)["canary_tolerance"] == 0.5
 
 
+def test_the_exact_tolerance_needs_both_sides_batch_invariant_or_both_not():
+    """A batch-invariant step computes even a lone token as it computes one among others, which a plain
+    step alone does not: exact only when both sides' steps were of the same kind."""
+    x = logits_with({7: 9.0, 3: 8.0, 11: 7.0})
+    y = x.copy()
+    y[11] += 0.1
+    policy = CanaryPolicy(tolerance=0.5, exact_tolerance=1e-4)
+    invariant = roundtrip(policy.make(x, "llama_cpp/cpu", alone=True, threads=2, deterministic=True))
+    assert invariant["deterministic"] is True
+    with pytest.raises(CanaryMismatch):
+        policy.check(invariant, y, "llama_cpp/cpu", exact=True, threads=2, deterministic=True)
+    assert policy.check(invariant, y, "llama_cpp/cpu", exact=True, threads=2)["canary_tolerance"] == 0.5
+    plain = roundtrip(policy.make(x, "llama_cpp/cpu", alone=True, threads=2))
+    assert "deterministic" not in plain
+    assert policy.check(plain, y, "llama_cpp/cpu", exact=True, threads=2, deterministic=True)["canary_tolerance"] == 0.5
+
+
 @pytest.mark.slow  # SmolLM2 in process, twice
 def test_a_handoff_between_cpu_contexts_of_different_thread_counts_passes_at_the_same_engine_tolerance():
     """Measured: ggml's CPU attention splits one query's cells over its threads past a few hundred
@@ -130,8 +147,10 @@ def test_a_handoff_between_cpu_contexts_of_different_thread_counts_passes_at_the
     from disaggregated_inference.backends import ModelSettings, create
     from disaggregated_inference.backends.base import Prompt, Received, Sampling
 
-    two, one = (create(ModelSettings(model="smollm2", n_threads=n, n_ctx=1024, flash_attn=True, parallel=1))
-                for n in (2, 1))
+    # plain steps: a lone token's attention split over the threads (with ``deterministic`` its padding row
+    # keeps it off that path: the two contexts measured 0.0 apart on this prompt)
+    two, one = (create(ModelSettings(model="smollm2", n_threads=n, n_ctx=1024, flash_attn=True, parallel=1,
+                                     deterministic=False)) for n in (2, 1))
     try:
         for backend in (two, one):
             backend.load()

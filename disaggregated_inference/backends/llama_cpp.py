@@ -104,6 +104,8 @@ class LlamaCppSettings(ChatSettings):
     draft_min_match: int = option(3, "speculation: the shortest n-gram match that may draft (which of those drafts "
                                      "pay is decided per step from the measured step cost and each sequence's "
                                      "acceptance)", low=1)
+    deterministic: bool = option(True, "a sequence's logits are bit for bit the same alone or beside any others "
+                                       "(batch-invariant steps: docs/ARCHITECTURE.md, Determinism)")
 
 
 class LlamaCppBackend(BatchedBackend):
@@ -164,6 +166,8 @@ class LlamaCppBackend(BatchedBackend):
         llama_cpp.llama_backend_init()
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = s.n_gpu_layers
+        if s.deterministic:  # repacked weights (Q4_0, Q4_K, IQ4_NL) compute 4-row groups and the rest apart
+            mp.use_extra_bufts = False
         self.model = _internals.LlamaModel(path_model=str(self.model_path), params=mp, verbose=False)
         cp = llama_cpp.llama_context_default_params()
         cp.n_seq_max = self.slots
@@ -173,7 +177,8 @@ class LlamaCppBackend(BatchedBackend):
         # for it whatever the setting), so that drafts never crowd a prompt's chunk out of a step
         self._batch_capacity = s.n_batch + self.slots * (1 + s.draft_max)
         cp.n_batch = self._batch_capacity
-        cp.n_ubatch = self._n_ubatch = min(512, s.n_batch)
+        # deterministic: one ubatch holds a token of every slot (see _evaluate_invariant)
+        cp.n_ubatch = self._n_ubatch = max(min(512, s.n_batch), self.slots if s.deterministic else 1)
         threads = self.compute_threads(s)
         cp.n_threads = cp.n_threads_batch = threads
         self._threads = threads if self.engine.endswith("/cpu") else None
@@ -284,6 +289,7 @@ class LlamaCppBackend(BatchedBackend):
         return {"model_file": str(self.model_path), "n_ctx": self.settings.n_ctx, "parallel": self.slots,
                 "arch": self._fingerprint.get("arch"), "n_swa": self._fingerprint.get("n_swa"),
                 "n_vocab": self._fingerprint.get("n_vocab"), "prefix_cache": self._prefix_cache,
+                "deterministic": bool(self.settings.deterministic),
                 "library_version": self._fingerprint.get("library_version"),
                 "chat_format": self.chat.name if self.chat is not None else None,
                 "chat_template": self.chat.source if self.chat is not None else None,
@@ -376,13 +382,14 @@ class LlamaCppBackend(BatchedBackend):
         return {seq: len(held) for seq, held in sorted(self._cached.items())}
 
     def evaluate(self, evals: list[Eval]) -> int:
-        """One step: one ``llama_decode`` over the pending requests; returns the batch's token count.
+        """One step over the pending requests; returns the tokens evaluated (padding not counted).
 
         Single tokens (generating sequences) all go in; then each prompt's next
         chunk of up to ``n_batch`` tokens (chunk boundaries at multiples of
         ``n_batch`` from position 0, so a prompt's numerics depend neither on what
         ran beside it nor on a cached prefix) while room is left. An ``Eval``
-        whose tokens are all in gets ``row``.
+        whose tokens are all in gets ``row``. Without ``deterministic`` that is one
+        ``llama_decode``; with it, ``_evaluate_invariant``.
 
         The batch lists its sequences in ascending id order. With a KV stream per
         slot, llama.cpp splits a batch into ubatches with ``split_equal(...,
@@ -396,37 +403,123 @@ class LlamaCppBackend(BatchedBackend):
         A speculative step (``draft_acceptance``) goes in whole, with logits on every row, after its
         guesses are cut to what pays in this step (``speculate.cut_drafts``).
         """
-        import llama_cpp
-
-        b, n, room = self._batch, 0, self._batch_capacity
+        deterministic = self.settings.deterministic
+        room, used, chosen = self._batch_capacity, 0, []
         chunk = self.settings.n_batch
-        chosen, used = [], 0
-        if self._step_cost is not None:
+        if deterministic and len(evals) > 1:
+            # a verify step beside other sequences would change their ubatches, and its rows would not outlive
+            # the singles' decode: with deterministic steps a sequence verifies guesses only when it is alone
+            for ev in evals:
+                if ev.draft_acceptance is not None:
+                    del ev.tokens[1:]
+                    ev.draft_acceptance = None
+        elif self._step_cost is not None:
             cut_drafts(evals, self._step_cost, self._n_ubatch)
         # singles and speculative steps first, then chunks
         for ev in sorted(evals, key=lambda e: (1 if e.draft_acceptance is not None else len(e.tokens) - e.done, e.seq)):
+            left = len(ev.tokens) - ev.done
             if ev.draft_acceptance is not None:  # whole, in this step: its rows are read together
                 del ev.tokens[max(1, room - used):]
                 take = len(ev.tokens)
             else:
                 # chunks end at multiples of n_batch counted from position 0, wherever the Eval starts (a prompt
                 # after a cached prefix is cut where the whole prompt would be: see _aligned_reuse)
-                take = min(chunk - (ev.pos + ev.done) % chunk, len(ev.tokens) - ev.done)
+                take = min(chunk - (ev.pos + ev.done) % chunk, left)
+                if deterministic and ev.logits and left > 1:
+                    take = min(take, left - 1)  # the token whose logits are wanted goes in as a single, next step
             if take <= room - used:
                 chosen.append((ev, take))
                 used += take
+        if not chosen:
+            return 0
+        if deterministic:
+            return self._evaluate_invariant(chosen)
+        self._decode(chosen)
+        for ev, _ in chosen:
+            ev.alone = len(chosen) == 1
+        return used
+
+    def _evaluate_invariant(self, chosen: list[tuple[Eval, int]]) -> int:
+        """A step whose every row is computed as it would be with no other sequence beside it.
+
+        Measured (docs/ARCHITECTURE.md, Determinism): ggml's CPU kernels compute a
+        ubatch of one sequence otherwise than one of several (flash attention splits a
+        lone query's cells across the threads from 512 cells on: SmolLM2 at 2 threads,
+        0.5-0.66 apart), and llama.cpp's ``split_equal`` gives a ubatch as many tokens
+        of each sequence as its shortest one has, so a prompt chunk beside generating
+        tokens was cut into other row counts (Gemma 3 without flash attention: 1.0). Hence each
+        prompt chunk in a ``llama_decode`` of its own, as when it is alone; and the
+        single tokens in one ``llama_decode`` where no ubatch holds one sequence only:
+        a single whose neighbouring ids bring no token (``split_equal`` groups only
+        consecutive ids) gets a throwaway row in a neighbouring slot's stream, one
+        position past what that stream holds (with one slot: in its own, the next
+        position), whose cell is dropped after the step.
+        Only singles want logits (``evaluate``), and they go last, so their rows stay
+        readable until the next step."""
+        import llama_cpp
+
+        mem = llama_cpp.llama_get_memory(self.ctx.ctx)
+        total, unpadded = 0, set()
+        for ev, take in chosen:
+            if take > 1:  # a prompt chunk, or a verify step (alone in its step: every row an output)
+                self._decode([(ev, take)], [] if ev.draft_acceptance is not None else None)
+                total += take
+        singles = [(ev, take) for ev, take in chosen if take == 1]
+        if singles:
+            ids = {ev.seq for ev, _ in singles}
+            pads = []
+            for ev, _ in singles:
+                beside = ids | {p[0] for p in pads}
+                if ev.seq - 1 in beside or ev.seq + 1 in beside:
+                    continue  # beside another single or a padding row
+                for other in (ev.seq + 1, ev.seq - 1):
+                    if 0 <= other < self.slots:
+                        held = llama_cpp.llama_memory_seq_pos_max(mem, other) + 1
+                        if held < self.settings.n_ctx:
+                            pads.append((other, held, ev.tokens[ev.done]))
+                            break
+                else:  # one slot, or both neighbours' streams full
+                    if self._fingerprint.get("n_swa"):
+                        # a row past a sliding window's end may take a cell the window still needs: alone,
+                        # as a one-slot server always is (and such a model's canary is never held exact)
+                        unpadded.add(ev.seq)
+                    else:  # the row in its own stream: measured the same as one beside it (tiny llama, SmolLM2)
+                        pads.append((ev.seq, ev.pos + ev.done + 1, ev.tokens[ev.done]))
+            self._decode(singles, pads)
+            total += len(singles)
+            for seq, pos, _ in pads:
+                llama_cpp.llama_memory_seq_rm(mem, seq, pos, -1)
+        for ev, _ in chosen:
+            ev.alone = ev.seq not in unpadded or self.slots == 1  # its numerics are those of a step of its own
+        return total
+
+    def _decode(self, chosen: list[tuple[Eval, int]], pads=None) -> None:
+        """One ``llama_decode`` of ``take`` tokens of each ``Eval`` and the throwaway rows ``pads``
+        (``(seq, pos, token)``), in ascending sequence ids; advances the ``Eval``s and sets ``row``.
+        With ``pads`` (a list, maybe empty: the singles of a deterministic step) every row is an output:
+        llama.cpp computes the last layer's feed-forward and the output matrix for the output rows
+        only, and one output row takes another matmul path than two or more (5e-7 on the tiny llama)."""
+        import llama_cpp
+
+        b, n = self._batch, 0
         placed = []
-        for ev, take in sorted(chosen, key=lambda c: c[0].seq):
+        every = pads is not None
+        rows = [(ev.seq, ev, take) for ev, take in chosen] + [(seq, (pos, token), 0) for seq, pos, token in pads or ()]
+        for seq, ev, take in sorted(rows, key=lambda r: r[0]):
+            if not take:  # padding
+                pos, token = ev
+                b.token[n], b.pos[n], b.n_seq_id[n], b.logits[n] = token, pos, 1, True
+                b.seq_id[n][0] = seq
+                n += 1
+                continue
             for i in range(ev.done, ev.done + take):
                 b.token[n] = ev.tokens[i]
                 b.pos[n] = ev.pos + i
                 b.n_seq_id[n] = 1
                 b.seq_id[n][0] = ev.seq
-                b.logits[n] = ev.logits and (i == len(ev.tokens) - 1 or ev.draft_acceptance is not None)
+                b.logits[n] = every or (ev.logits and (i == len(ev.tokens) - 1 or ev.draft_acceptance is not None))
                 n += 1
             placed.append((ev, take, n - 1))
-        if not n:
-            return 0
         b.n_tokens = n
         self._batches += 1
         rc = llama_cpp.llama_decode(self.ctx.ctx, b)
@@ -434,10 +527,8 @@ class LlamaCppBackend(BatchedBackend):
             raise RuntimeError(f"llama_decode failed ({rc}) for a batch of {n} tokens")
         for ev, take, last in placed:
             ev.done += take
-            ev.alone = len(placed) == 1
             if ev.complete:
                 ev.row = last
-        return n
 
     # -- in-process use (tests, benchmarks, tools): one request at a time on the calling thread -----
 
@@ -743,7 +834,7 @@ class LlamaCppBackend(BatchedBackend):
                 ev = Eval(seq, [tokens[-1]], len(tokens) - 1)
                 yield ev
                 canary = self.canary.make(self._row_logits(ev.row), self.engine, alone=ev.alone,
-                                          threads=self._threads)
+                                          threads=self._threads, deterministic=self.settings.deterministic)
             canary_time = time.perf_counter() - t3
             keep = tokens
         finally:
@@ -966,7 +1057,7 @@ class LlamaCppBackend(BatchedBackend):
         if canary is not None:
             extra = {**extra, **self.canary.check(canary, self._row_logits(ev.row), self.engine,
                                                   exact=ev.alone and self._restores_exactly(len(tokens)),
-                                                  threads=self._threads)}
+                                                  threads=self._threads, deterministic=self.settings.deterministic)}
         first_at = time.perf_counter()
         own = None  # a sampler this loop made (the answer's grammar)
         try:

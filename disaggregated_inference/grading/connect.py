@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import signal
 from contextlib import contextmanager
+from dataclasses import replace
 
 from .. import config as cluster_config
 from ..errors import GradingError
@@ -28,6 +29,19 @@ def start_local_cluster(config=None, timeout: float = 600.0, progress=None):
         stop_local_cluster(cluster)
         raise
     return cluster
+
+
+def deterministic(cfg):
+    """``cfg`` with every llama.cpp server's steps batch-invariant (``deterministic``), whatever its model
+    entry or the server's own override says: a grade must not depend on what else the cluster was doing
+    (docs/ARCHITECTURE.md, Determinism). Other engines' servers are left as they are."""
+    def invariant(entry):
+        if entry.settings.get("backend") != "llama_cpp" or entry.settings.get("deterministic") is not False:
+            return entry  # unset: the engine's default, on
+        return replace(entry, settings={**entry.settings, "deterministic": True})
+
+    return replace(cfg, prefill_servers=[invariant(e) for e in cfg.prefill_servers],
+                   decode_servers=[invariant(e) for e in cfg.decode_servers])
 
 
 def stop_local_cluster(cluster) -> None:
@@ -117,7 +131,7 @@ def open_client(config=None, *, local_cluster: bool = False, timeout: float = 60
     from ..client import DisaggregatedClient
 
     cfg = cluster_config.coerce(config if config is not None else cluster_config.load())
-    cluster = start_local_cluster(cfg, timeout, progress) if local_cluster else None
+    cluster = start_local_cluster(deterministic(cfg), timeout, progress) if local_cluster else None
     try:
         if cluster is not None:
             cfg = cluster_config.from_dict(cluster.config, f"{cfg.source} (embedded local cluster)")

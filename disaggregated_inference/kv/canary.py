@@ -49,7 +49,8 @@ def log_softmax(logits):
     return shifted - np.log(np.exp(shifted).sum())
 
 
-def fingerprint(logits, k: int, engine: str, alone: bool = False, threads: int | None = None) -> dict:
+def fingerprint(logits, k: int, engine: str, alone: bool = False, threads: int | None = None,
+                deterministic: bool = False) -> dict:
     """The top-``k`` token ids of ``logits`` and their log-probabilities, likeliest first.
 
     Not rounded: JSON carries a float64 exactly, so identical logits on both sides compare as 0."""
@@ -63,6 +64,8 @@ def fingerprint(logits, k: int, engine: str, alone: bool = False, threads: int |
            "engine": engine, "alone": bool(alone)}
     if threads:
         out["threads"] = int(threads)
+    if deterministic:
+        out["deterministic"] = True
     return out
 
 
@@ -96,7 +99,7 @@ class CanaryPolicy:
     in this order: an explicit ``pairs`` entry for the (prefill engine, decode engine)
     pair, e.g. ``{"prefill": "llama_cpp/gpu", "decode": "llama_cpp/cpu", "tolerance":
     1.0}``; ``exact_tolerance`` when the engines are the same, both sides evaluated the
-    token alone in their step (batching moves logits) with the same number of compute
+    token alone in their step (batching moves logits), or both in batch-invariant steps, with the same number of compute
     threads (``threads``: ggml's CPU attention splits one query's cells across its threads
     past a few hundred cells, so a 2-thread prefill and a 1-thread decode of SmolLM2 differ
     by 0.05-0.37 at 300-3,500 tokens; the same count gives 0) and the backend restores this
@@ -124,25 +127,31 @@ class CanaryPolicy:
             return self.cross_tolerance
         return self.exact_tolerance if exact else self.tolerance
 
-    def make(self, logits, engine: str, alone: bool = False, threads: int | None = None) -> dict | None:
-        """The canary of a prefill (None when turned off); ``alone``: its token had its step to itself;
-        ``threads``: the compute threads that evaluated it, where they can change the numerics (CPU)."""
-        return fingerprint(logits, self.top_k, engine, alone, threads) if self.top_k > 0 else None
+    def make(self, logits, engine: str, alone: bool = False, threads: int | None = None,
+             deterministic: bool = False) -> dict | None:
+        """The canary of a prefill (None when turned off); ``alone``: its token was computed as in a step
+        of its own; ``threads``: the compute threads that evaluated it, where they can change the numerics
+        (CPU); ``deterministic``: its step was batch-invariant (computed as alone whatever shared it)."""
+        return fingerprint(logits, self.top_k, engine, alone, threads, deterministic) if self.top_k > 0 else None
 
-    def check(self, sent: dict | None, logits, engine: str, exact: bool = False, threads: int | None = None) -> dict:
+    def check(self, sent: dict | None, logits, engine: str, exact: bool = False, threads: int | None = None,
+              deterministic: bool = False) -> dict:
         """Compare; the metrics to report, or ``CanaryMismatch`` when beyond tolerance.
 
         ``exact``: this side evaluated the token alone and its backend restores the state bit for
         bit; it holds only if the prefill side's canary says the same of itself, with the same
         ``threads`` (a canary that names none, or another count, gets the same-engine
-        tolerance). A bundle without a canary (an older or canary-less prefill server) is
+        tolerance); and both sides' steps batch-invariant or both not (``deterministic``: a
+        batch-invariant step computes even a lone token as it does one among others, which a plain
+        step does not). A bundle without a canary (an older or canary-less prefill server) is
         reported as ``canary: "absent"`` and passes: refusing it would only force a recompute.
         """
         if not sent:
             return {"canary": "absent"}
         started = time.perf_counter()
         top1, divergence = compare(sent, logits)
-        exact = exact and bool(sent.get("alone")) and sent.get("threads") == threads
+        exact = (exact and bool(sent.get("alone")) and sent.get("threads") == threads
+                 and bool(sent.get("deterministic")) == bool(deterministic))
         tolerance = self.tolerance_for(sent.get("engine"), engine, exact)
         figures = {"canary": "passed" if divergence <= tolerance else "failed", "canary_top1_match": top1,
                    "canary_divergence": round(divergence, 6), "canary_tolerance": tolerance,

@@ -1,0 +1,265 @@
+"""Batch-invariant serving (the llama.cpp engine's ``deterministic`` setting, issue 28).
+
+In process on the generated tiny llama (quick tier): one sequence's logits alone against the same
+sequence beside 1, 3 and 7 others, generating and prompt chunks mixed, slots next to each other or
+not, over several steps: bit for bit equal with ``deterministic``; without it the same probe sees them
+move (so the probe can tell). Two compute threads and a prompt past 512 cells, where ggml's flash
+attention splits a lone query's cells across the threads.
+
+Through real servers (slow tier, the session's tiny cluster): eight greedy requests at once give the
+texts and first-token log-probabilities of the same requests one at a time, handoff and decode-only;
+and under load the canary holds a handoff to the exact tolerance, so a damaged state is refused.
+"""
+from __future__ import annotations
+
+import io
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from disaggregated_inference.backends import ModelSettings, create
+from disaggregated_inference.backends.base import Eval, Prompt
+
+from .conftest import tiny_model_settings
+
+WORDS = "revenue margin churn cohort pivot quarterly region forecast variance median".split()
+
+
+def text(i: int, words: int) -> str:
+    rng = np.random.default_rng(i)
+    return " ".join(rng.choice(WORDS, words)) + " Summarise."
+
+
+def tiny_backend(deterministic: bool, **settings):
+    b = create(ModelSettings(**{**tiny_model_settings(), "n_threads": 2, "n_ctx": 2048, "parallel": 8,
+                                "prefix_cache": False, "deterministic": deterministic, **settings}))
+    b.load()
+    return b
+
+
+def fill(b, seq: int, tokens: list[int]) -> None:
+    """Evaluate a prompt's tokens into ``seq`` as a server does (no logits), in steps of its own."""
+    ev = Eval(seq, list(tokens), 0, logits=False)
+    while not ev.complete:
+        b.evaluate([ev])
+
+
+def generate_together(b, seqs, prompts, steps: int, mixed: list[int] | None = None) -> list[np.ndarray]:
+    """``prompts`` filled into ``seqs``, then ``steps`` greedy steps of them all in shared steps (with
+    ``mixed``, a prompt evaluated into a further slot alongside, chunk by chunk); the first one's logits."""
+    for seq, p in zip(seqs, prompts):
+        fill(b, seq, p[:-1])
+    cur, pos, out = [p[-1] for p in prompts], [len(p) - 1 for p in prompts], []
+    side = None
+    if mixed is not None:
+        side = Eval(b._acquire()[0], mixed, 0, logits=False)
+    for _ in range(steps):
+        evs = [Eval(s, [t], q) for s, t, q in zip(seqs, cur, pos)]
+        b.evaluate(evs + ([side] if side is not None and not side.complete else []))
+        out.append(b._row_logits(evs[0].row).copy())
+        cur, pos = [int(b._row_logits(e.row).argmax()) for e in evs], [q + 1 for q in pos]
+    if side is not None:
+        b._release(side.seq)
+    return out
+
+
+def moved_beside_others(deterministic: bool, **settings) -> dict:
+    """Max |logit difference| of one sequence (a ~600-token prompt, then 5 greedy steps) between alone
+    and each way of sharing its steps; ``settings`` (e.g. ``model="gemma3-270m"``) probe another model."""
+    b = tiny_backend(deterministic, **settings)
+    try:
+        prompts = [b.tokenize(Prompt(text=text(i, 120 + 70 * i)))[0] for i in range(8)]
+        x, others = prompts[6], prompts[:6] + prompts[7:]
+        assert len(x) > 512  # past 512 cells: the lone query's attention is split across threads
+
+        def run(seqs, together, **kw):
+            try:
+                return generate_together(b, seqs, [x] + together, 5, **kw)
+            finally:
+                for s in seqs:
+                    b._release(s)
+
+        def acquire(n):
+            return [b._acquire()[0] for _ in range(n)]
+
+        alone = run(acquire(1), [])
+        out = {}
+        for k in (1, 3, 7):
+            out[f"beside {k}"] = run(acquire(k + 1), others[:k])
+        taken = acquire(6)  # slots 0..5: x in 3, beside 0 and 5 (no neighbouring id brings a token)
+        out["beside 2, not adjacent"] = run([taken[3], taken[0], taken[5]], others[:2])
+        for s in (1, 2, 4):
+            b._release(taken[s])
+        out["beside a prompt being evaluated and 1 generating"] = run(acquire(2), others[:1], mixed=others[4][:-1])
+        return {name: max(float(np.abs(a - y).max()) for a, y in zip(alone, got)) for name, got in out.items()}
+    finally:
+        b.close()
+
+
+def test_a_sequence_computes_bit_for_bit_the_same_alone_or_beside_any_others():
+    moved = moved_beside_others(deterministic=True)
+    print("deterministic:", moved)
+    assert moved == {name: 0.0 for name in moved}
+
+
+def test_without_it_the_same_probe_sees_neighbours_move_the_logits():
+    """The probe above can fail: the plain step moves them (ggml's one-sequence ubatch, its split
+    attention over two threads), so a deterministic step that stopped being invariant would show."""
+    moved = moved_beside_others(deterministic=False)
+    print("plain:", moved)
+    assert max(moved.values()) > 0
+
+
+def test_a_one_slot_server_computes_as_a_multi_slot_one():
+    """Prefill and decode servers may have other ``parallel``: the canary holds them to 1e-4 all the same, so a
+    lone token's row must come out the same with no neighbouring slot to pad in (padded in its own stream)."""
+    got = []
+    for parallel in (1, 8):
+        b = tiny_backend(True, parallel=parallel)
+        try:
+            x = b.tokenize(Prompt(text=text(6, 540)))[0]
+            seq = b._acquire()[0]
+            got.append(generate_together(b, [seq], [x], 3))
+            b._release(seq)
+        finally:
+            b.close()
+    assert all(np.array_equal(a, c) for a, c in zip(*got))
+
+
+def test_the_setting_is_on_by_default_and_reported():
+    assert ModelSettings(**tiny_model_settings()).deterministic is True
+    b = tiny_backend(True)
+    try:
+        assert b.describe()["deterministic"] is True
+    finally:
+        b.close()
+
+
+# -- through real servers ---------------------------------------------------------------------------
+
+PROMPTS = [text(100 + i, 160 + 10 * i) for i in range(8)]  # ~250 tokens each, all different
+MAX_TOKENS = 24
+
+
+def at_once(fn, items):
+    with ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
+def prefill_canary(http, url: str, prompt: str) -> dict:
+    """The first token's top log-probabilities as the prefill server computed them (its canary)."""
+    from disaggregated_inference.kv import bundle
+
+    pre = http.post(f"{url}/prefill", json={"prompt": prompt})
+    assert pre.status_code == 200, pre.text
+    header, _, _ = bundle.read_bundle(io.BytesIO(http.get(pre.json()["kv"]["url"]).content))
+    return header.meta["canary"]
+
+
+@pytest.mark.slow
+def test_eight_requests_at_once_answer_as_one_at_a_time_handoff_and_decode_only(http, tiny_cluster, tiny_prefill,
+                                                                                 tiny_decode):
+    import requests
+
+    from disaggregated_inference.client import DisaggregatedClient
+
+    from .conftest import patient
+
+    def decode_only(prompt):
+        with requests.Session() as s:
+            r = s.post(f"{tiny_decode}/generate", json={"prompt": prompt, "max_new_tokens": MAX_TOKENS,
+                                                        "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()["generated_text"]
+
+    def canary(prompt):
+        with requests.Session() as s:
+            return prefill_canary(s, tiny_prefill, prompt)
+
+    with DisaggregatedClient(patient(tiny_cluster.config), health_check=False) as client:
+        client.check_health()
+
+        def handoff(prompt):
+            out, m = client.generate("qwen", prompt, max_tokens=MAX_TOKENS)
+            assert m["method"] == "kv_handoff", m
+            return out, m
+
+        alone = [handoff(p) for p in PROMPTS]
+        together = at_once(handoff, PROMPTS)
+    assert [t for t, _ in together] == [t for t, _ in alone]
+    # the decode side's first-token distribution against the prefill side's, under load: bit for bit
+    assert all(m["canary_divergence"] == 0.0 and m["canary_tolerance"] == 1e-4 for _, m in together), \
+        [(m["canary_divergence"], m["canary_tolerance"]) for _, m in together]
+
+    assert at_once(decode_only, PROMPTS) == [decode_only(p) for p in PROMPTS]
+    first_alone = [canary(p) for p in PROMPTS]
+    first_together = at_once(canary, PROMPTS)
+    assert [c["logprobs"] for c in first_together] == [c["logprobs"] for c in first_alone]
+    assert all(c["deterministic"] and c["alone"] for c in first_together)
+
+
+@pytest.mark.slow
+def test_under_load_the_canary_holds_the_exact_tolerance_and_refuses_a_damaged_state(http, tiny_prefill, tiny_decode,
+                                                                                     bytes_server):
+    """A damaged state handed over while the decode server is busy generating for others (so its check
+    shares a step): refused at the exact tolerance, where a plain server allows 0.5 for a shared step."""
+    import threading
+
+    import requests
+
+    from .test_batching_e2e import _steps_with_several_requests
+    from .test_canary import canary_counts, damaged_bundle
+
+    pre = http.post(f"{tiny_prefill}/prefill", json={"prompt": PROMPTS[0]}).json()
+    url = bytes_server("/kv/determinism-damaged", damaged_bundle(http.get(pre["kv"]["url"]).content))
+    before, shared = canary_counts(http, tiny_decode), _steps_with_several_requests(http, tiny_decode)
+    stop = threading.Event()
+
+    def busy(i):  # long generations that keep the decode server's steps shared
+        with requests.Session() as s:
+            while not stop.is_set():
+                s.post(f"{tiny_decode}/generate", json={"prompt": PROMPTS[i], "max_new_tokens": 400,
+                                                        "temperature": 0, "ignore_eos": True})
+
+    workers = [threading.Thread(target=busy, args=(i,), daemon=True) for i in (1, 2, 3)]
+    for w in workers:
+        w.start()
+    try:
+        import time
+
+        time.sleep(0.5)
+        resp = http.post(f"{tiny_decode}/decode", json={"kv": {"url": url, "handle": "determinism-damaged"},
+                                                         "max_new_tokens": 4})
+        fresh = http.post(f"{tiny_prefill}/prefill", json={"prompt": PROMPTS[4]}).json()
+        good = http.post(f"{tiny_decode}/decode", json={"kv": fresh["kv"], "max_new_tokens": 4})
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(timeout=120)
+    assert _steps_with_several_requests(http, tiny_decode) > shared + 10  # the server was busy with others
+    assert resp.status_code == 422, resp.text
+    body = resp.json()
+    assert body["code"] == "canary_mismatch" and body["canary_tolerance"] == 1e-4, body
+    print("damaged state under load: divergence", body["canary_divergence"])
+    assert good.status_code == 200, good.text
+    m = good.json()["metrics"]
+    assert m["canary"] == "passed" and m["canary_divergence"] == 0.0 and m["canary_tolerance"] == 1e-4, m
+    assert canary_counts(http, tiny_decode)["failures"] == before["failures"] + 1
+
+
+def test_the_graders_embedded_cluster_runs_every_llama_cpp_server_deterministic_whatever_its_config_says():
+    from disaggregated_inference import config as cluster_config
+    from disaggregated_inference.grading.connect import deterministic
+    from disaggregated_inference.server.settings import from_cluster
+
+    from .conftest import tiny_config_dict
+
+    data = tiny_config_dict()
+    data["models"]["qwen"]["deterministic"] = False
+    data["decode_servers"][1]["deterministic"] = False  # a server's own override too
+    cfg = cluster_config.from_dict(data)
+    assert not from_cluster(cfg, "local-decode-qwen").model.deterministic
+    graded = deterministic(cfg)
+    assert all(from_cluster(graded, e.name).model.deterministic for e in graded.servers)
+    assert cfg.decode_servers[0].settings["deterministic"] is False  # the caller's config is left alone
