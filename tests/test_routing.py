@@ -140,41 +140,45 @@ LONG_PROMPT = ("The quarterly sales report lists revenue by region, product line
 
 @pytest.mark.slow
 def test_auto_keeps_a_few_tokens_local_and_hands_2k_tokens_off_saying_why(tiny_cluster):
-    """A cold start: before the client has measured both paths (and before the servers report any
-    speed), the prior decides: a long prompt goes to the prefill server, and then (the prefill side
-    measured, the decode side by the prior's ratio) a few tokens stay on the decode server; each
-    answer says why. In that order: the tiny model evaluates a few dozen tokens in about a
-    millisecond, and a decode side measured on them first would be fast enough to keep even 2k
-    tokens local, rightly by its own figures (its prompt speed counts evaluation only; the chat
-    template and the tokenizer run before, on the request's thread)."""
-    with DisaggregatedClient(tiny_cluster.config, health_check=False) as client:
+    """A cold start: before the client has measured either path (and before the servers report any
+    speed), the prior decides: a few tokens stay on the decode server, a long prompt goes to the
+    prefill server; each answer says why. Each request from a client of its own: on the tiny model
+    both paths take a millisecond or two, so once a client has measured one of them its own figures
+    (rightly) decide, and either answer would be right."""
+
+    def cold_client():
+        client = DisaggregatedClient(tiny_cluster.config, health_check=False)
         client.check_health()
         for server in client.servers.values():  # this session's servers may have served other tests
             server.health.pop("prompt_speed", None)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # chosen paths, never the fallback
-            # the long prompt first: once the tiny model's decode server has been measured, its
-            # ~15k tokens/s rightly keep even 2k tokens local (the prior assumes 400 tokens/s);
-            # a prompt no earlier test sent, or the decode server's prefix cache makes it cheap there
-            _, long = client.generate("qwen", f"Report {uuid.uuid4().hex}.\n" + LONG_PROMPT, max_tokens=4,
-                                      route="auto")
-            assert long["prompt_tokens"] > 1500, long["prompt_tokens"]
-            assert long["method"] == "kv_handoff" and long["route"] == HANDOFF, (long["route_reason"], long["route_estimates"])
-            assert long["route_estimates"]["basis"] == "prior"
-            assert long["route_estimates"][HANDOFF] < long["route_estimates"][LOCAL]
-            assert long["prompt_tokens_recomputed"] == 1 and long["canary"] == "passed"
+        return client
 
-            text, few = client.generate("qwen", FEW, max_tokens=4, route="auto")
-            assert few["method"] == "decode_only" and few["route"] == LOCAL, few
-            assert few["prompt_tokens_recomputed"] == few["prompt_tokens"] and few["kv_bytes"] == 0
-            assert "decode-only" in few["route_reason"] and "handoff" in few["route_reason"]
-            assert few["route_estimates"][LOCAL] < few["route_estimates"][HANDOFF]
-        client.check_health()  # both servers now report the prompt speed of their recent requests
-        assert all(s["prompt_speed"] > 0 for s in (client.servers["local-prefill-qwen"].health,
-                                                   client.servers["local-decode-qwen"].health))
-        figures = client.costs.snapshot()
-        assert any(k.startswith("local_speed/") for k in figures) and any(k.startswith("prefill_speed/") for k in figures)
-        assert client.history[-1]["route_reason"] == few["route_reason"]
+    with cold_client() as few_client, cold_client() as long_client, warnings.catch_warnings():
+        warnings.simplefilter("error")  # chosen paths, never the fallback
+        text, few = few_client.generate("qwen", FEW, max_tokens=4, route="auto")
+        assert few["method"] == "decode_only" and few["route"] == LOCAL, few
+        assert few["route_estimates"]["basis"] == "prior"
+        assert few["prompt_tokens_recomputed"] == few["prompt_tokens"] and few["kv_bytes"] == 0
+        assert "decode-only" in few["route_reason"] and "handoff" in few["route_reason"]
+        assert few["route_estimates"][LOCAL] < few["route_estimates"][HANDOFF]
+
+        # a prompt no earlier test sent, or the decode server's prefix cache makes it cheap there
+        _, long = long_client.generate("qwen", f"Report {uuid.uuid4().hex}.\n" + LONG_PROMPT, max_tokens=4,
+                                       route="auto")
+        assert long["prompt_tokens"] > 1500, long["prompt_tokens"]
+        assert long["method"] == "kv_handoff" and long["route"] == HANDOFF, (long["route_reason"],
+                                                                              long["route_estimates"])
+        assert long["route_estimates"]["basis"] == "prior"
+        assert long["route_estimates"][HANDOFF] < long["route_estimates"][LOCAL]
+        assert long["prompt_tokens_recomputed"] == 1 and long["canary"] == "passed"
+
+        long_client.check_health()  # both servers now report the prompt speed of their recent requests
+        assert all(s["prompt_speed"] > 0 for s in (long_client.servers["local-prefill-qwen"].health,
+                                                   long_client.servers["local-decode-qwen"].health))
+        assert any(k.startswith("local_speed/") for k in few_client.costs.snapshot())
+        assert any(k.startswith("prefill_speed/") for k in long_client.costs.snapshot())
+        assert few_client.history[-1]["route_reason"] == few["route_reason"]
+        assert long_client.history[-1]["route_reason"] == long["route_reason"]
 
 
 @pytest.mark.slow

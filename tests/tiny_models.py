@@ -346,8 +346,10 @@ def _extract_templates(dest: Path, llama_version: str, tarball: Path | None = No
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         if tarball is None:
+            # --no-build-isolation: pip reads the version with the installed scikit-build-core (the test
+            # extra) instead of installing its build requirements into a fresh environment (minutes)
             done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                                   "--quiet", "-d", tmp, f"llama-cpp-python=={llama_version}"],
+                                   "--no-build-isolation", "--quiet", "-d", tmp, f"llama-cpp-python=={llama_version}"],
                                   capture_output=True, text=True, timeout=1800)
             found = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
             if done.returncode or not found:
