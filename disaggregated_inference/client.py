@@ -258,22 +258,12 @@ class DisaggregatedClient:
                 answer = next(lines)
                 answer.pop("done", None)
             else:
-                pieces, reasoning, calls, answer = [], [], [], None
-                for line in lines:  # as the server's JSON answer would have them (server/decode.py)
+                pieces, answer = _Pieces(), None
+                for line in lines:
                     if line.get("done"):
-                        answer = {"generated_text": "".join(pieces), "finish_reason": line.get("finish_reason"),
-                                  "metrics": line.get("metrics") or {}}
-                        if reasoning:
-                            answer["reasoning"] = "".join(reasoning)
-                        if calls:
-                            answer["tool_calls"] = calls
+                        answer = pieces.answer(line)
                         break
-                    if line.get("reasoning") is not None:
-                        reasoning.append(line["reasoning"])
-                    elif line.get("tool_call") is not None:
-                        calls.append(line["tool_call"])
-                    else:
-                        pieces.append(line.get("text") or "")
+                    pieces.add(line)
         except StopIteration:
             answer = None
         finally:
@@ -763,28 +753,17 @@ class DisaggregatedClient:
                 on_route({"method": served.method, "prefill_server": served.prefill_server.entry.address
                           if served.prefill_server else None, "decode_server": decode_server.entry.address,
                           "kv_bytes": kv.get("bytes", 0), "warnings": list(notes)})
-            pieces, reasoning, calls, final = [], [], [], None
+            pieces, final = _Pieces(), None
             try:
-                for line in lines:
-                    if line.get("error"):
-                        err = from_body(502, {k: v for k, v in line.items() if k != "done"})
-                        err.message = f"{decode_server.entry.name} failed mid-stream: {err.message}"
-                        err.args = (err.message,)
-                        raise err
+                for line in lines:  # an error line raises in _ndjson_lines
                     if line.get("done"):
                         final = line
                         break
-                    if line.get("reasoning") is not None:
-                        reasoning.append(line["reasoning"])
-                        if parts:
-                            yield chat.Part(chat.REASONING, line["reasoning"])
-                    elif line.get("tool_call") is not None:
-                        calls.append(line["tool_call"])
-                        if parts:
-                            yield chat.Part(chat.TOOL_CALL, line["tool_call"])
-                    else:
-                        pieces.append(line.get("text") or "")
-                        yield pieces[-1]
+                    kind, value = pieces.add(line)
+                    if kind == chat.CONTENT:
+                        yield value
+                    elif parts:
+                        yield chat.Part(kind, value)
             except UpstreamTimeout as exc:
                 if exc.details.get("stalled"):  # it went silent mid-stream: out of service until it answers
                     self._mark_failure(decode_server, exc.message, hard=True)
@@ -797,8 +776,7 @@ class DisaggregatedClient:
             raise UpstreamError(f"{decode_server.entry.name} ended its stream without a final line")
         if not served.method.startswith("decode_only"):
             served.method = final["metrics"].get("method", "disaggregated")
-        served.decode = {"generated_text": "".join(pieces), "finish_reason": final.get("finish_reason"),
-                         "metrics": final.get("metrics") or {}, "reasoning": "".join(reasoning), "tool_calls": calls}
+        served.decode = pieces.answer(final)
         metrics = served.metrics(started, notes)
         metrics.update(decision.as_metrics())
         self._learn(model_key, source, served, metrics, clean=not notes)
@@ -942,6 +920,36 @@ def _answered(server: TrackedServer, status: int, data: dict) -> DisaggError:
     err.message = f"{server.entry.name} answered {status}: {err.message}"
     err.args = (err.message,)
     return err
+
+
+class _Pieces:
+    """A decode server's answer as its stream's lines bring it (server/decode.py): text pieces, reasoning
+    and tool calls, which ``answer`` gives back in the shape of the server's JSON answer."""
+
+    def __init__(self):
+        self.text, self.reasoning, self.calls = [], [], []
+
+    def add(self, line: dict) -> tuple[str, object]:
+        """Keep a line that is not the last; returns (``chat.CONTENT``, ``chat.REASONING`` or ``chat.TOOL_CALL``,
+        what it carries)."""
+        if line.get("reasoning") is not None:
+            self.reasoning.append(line["reasoning"])
+            return chat.REASONING, line["reasoning"]
+        if line.get("tool_call") is not None:
+            self.calls.append(line["tool_call"])
+            return chat.TOOL_CALL, line["tool_call"]
+        self.text.append(line.get("text") or "")
+        return chat.CONTENT, self.text[-1]
+
+    def answer(self, final: dict) -> dict:
+        """The whole answer, given the stream's last line (``done``)."""
+        body = {"generated_text": "".join(self.text), "finish_reason": final.get("finish_reason"),
+                "metrics": final.get("metrics") or {}}
+        if self.reasoning:
+            body["reasoning"] = "".join(self.reasoning)
+        if self.calls:
+            body["tool_calls"] = self.calls
+        return body
 
 
 def _ndjson_lines(resp, server: TrackedServer, watch: Watch):

@@ -39,6 +39,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from .settings import engine_threads
 
 log = logging.getLogger(__name__)
 
@@ -250,8 +251,6 @@ def for_server(settings, backend) -> CoreShare | None:
     that cannot change its thread count between steps, or no board to be had (logged)."""
     if not settings.core_group or not getattr(backend, "batched", False) or not hasattr(backend, "set_threads"):
         return None
-    from .settings import engine_threads
-
     try:
         return CoreShare(settings.core_group, engine_threads(settings.model))
     except (OSError, RuntimeError) as exc:
