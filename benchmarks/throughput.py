@@ -19,10 +19,10 @@ Prints one JSON object (``--json``) or a table. Measured in one run, so ratios c
   what HTTP costs against ``server_8``.
 - ``engine_rounds``: ``--rounds`` rounds (default 3) of bare[8], ``owner_8`` and ``server_8`` back
   to back; the targets take the median of each round's own ratio.
-- ``deterministic``: what batch-invariant steps (the llama.cpp engine's ``deterministic``, on by
-  default) cost, measured in this run: ``server_8``'s figure on two decode servers of the same
-  model side by side, one with ``deterministic`` on and one with it off, measured in turns for
-  ``--rounds`` rounds (``decode_server_8``); and the cluster's tok/s at 8 concurrent requests
+- ``deterministic``: what batch-invariant steps (the llama.cpp engine's ``deterministic``, off by
+  default, on in the grader's cluster) cost, measured in this run: ``server_8``'s figure on two decode
+  servers of the same model side by side, one with ``deterministic`` on and one with it off, measured in
+  turns for ``--rounds`` rounds (``decode_server_8``), the same with one stream (``decode_server_1``); and the cluster's tok/s at 8 concurrent requests
   (prefill -> handoff -> decode) with it on and off (``cluster_8``). ``cost`` is 1 - on/off of
   the medians. ``--no-deterministic-cost`` skips it.
 - ``levels``: for 1, 2, 4, 8, 16 concurrent requests through ``DisaggregatedClient`` (prefill ->
@@ -365,7 +365,7 @@ def engine_rounds(rounds: int, slots: int, threads: int, say, tiny: bool = False
 def deterministic_cost(rounds: int, slots: int, threads: int, say, tiny: bool, max_new: int, models,
                        max_tokens: int, slos: dict) -> dict:
     """``deterministic`` on against off, in this run: two decode servers of "qwen" (one each way, the
-    prefill server idle) measured in turns with 8 streams each (``server_aggregate``), then the
+    prefill server idle) measured in turns with 8 streams and then 1 each (``server_aggregate``), then the
     cluster at 8 concurrent requests each way."""
     data = cluster_config(slots, threads, tiny)
     data["models"] = {"qwen": data["models"]["qwen"]}
@@ -384,16 +384,22 @@ def deterministic_cost(rounds: int, slots: int, threads: int, say, tiny: bool, m
         for r in range(rounds):
             row = {}
             for setting in ((True, False) if r % 2 == 0 else (False, True)):  # in turns: drift hits both alike
-                row["on" if setting else "off"] = server_aggregate(urls[setting], 8, max_new)["all_active_tok_s"]
+                key = "on" if setting else "off"
+                row[key] = server_aggregate(urls[setting], 8, max_new)["all_active_tok_s"]
+                row[key + "_1"] = server_aggregate(urls[setting], 1, max_new)["all_active_tok_s"]
             rows.append(row)
-            say(f"deterministic round {r + 1}: decode server, 8 streams: on {row['on']} tok/s, off {row['off']} tok/s")
+            say(f"deterministic round {r + 1}: decode server, 8 streams: on {row['on']} tok/s, off {row['off']} tok/s; "
+                f"1 stream: on {row['on_1']}, off {row['off_1']}")
     on_8, off_8 = _median(r["on"] for r in rows), _median(r["off"] for r in rows)
+    on_1, off_1 = _median(r["on_1"] for r in rows), _median(r["off_1"] for r in rows)
     clusters = {}
     for setting in (True, False):
         got = measure_cluster(slots, [8], models, max_tokens, threads, say, slos, tiny=tiny, deterministic=setting)
         clusters["on" if setting else "off"] = got["levels"][0]["completion_tok_s"] if got["levels"] else None
     return {"decode_server_8": {"rounds": rows, "on_tok_s": on_8, "off_tok_s": off_8,
                                 "cost": round(1 - on_8 / off_8, 3) if on_8 and off_8 else None},
+            "decode_server_1": {"on_tok_s": on_1, "off_tok_s": off_1,
+                                "cost": round(1 - on_1 / off_1, 3) if on_1 and off_1 else None},
             "cluster_8": {"on_tok_s": clusters["on"], "off_tok_s": clusters["off"],
                           "cost": (round(1 - clusters["on"] / clusters["off"], 3)
                                    if clusters["on"] and clusters["off"] else None)}}

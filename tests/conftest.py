@@ -37,6 +37,7 @@ def cluster_config_dict(**server) -> dict:
     data = json.loads((ROOT / "config_current.json").read_text())
     for model in data["models"].values():
         model["n_threads"] = THREADS
+        model["deterministic"] = True  # as in the cluster the grader starts (grading/connect.py): texts compared
     data["client"]["health_check_interval"] = 0  # tests drive health checks themselves
     # exactly THREADS threads: with shared cores a server's count follows the machine's load
     # (server/cores.py), and past a few hundred cells so do its numerics (kv/canary.py)
@@ -61,7 +62,7 @@ def tiny_model_settings(other: bool = False) -> dict:
 
     shape = replace(LLAMA, n_layer=3, seed=1) if other else LLAMA
     return {"backend": "llama_cpp", "model": str(tiny_gguf(shape)), "n_threads": TINY_THREADS, "n_ctx": 4096,
-            "flash_attn": True}
+            "flash_attn": True, "deterministic": True}
 
 
 def tiny_config_dict(**server) -> dict:

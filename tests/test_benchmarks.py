@@ -128,7 +128,7 @@ def test_throughput():
     assert targets["server_8_over_bare_8"] == r["server_8_over_bare_8"]  # the median of one round
     det = out["deterministic"]  # batch-invariant steps on against off, measured in the same run
     assert len(det["decode_server_8"]["rounds"]) == 2
-    for part in ("decode_server_8", "cluster_8"):
+    for part in ("decode_server_8", "decode_server_1", "cluster_8"):
         on, off = det[part]["on_tok_s"], det[part]["off_tok_s"]
         assert on > 0 and off > 0 and det[part]["cost"] == pytest.approx(1 - on / off, abs=1e-3)
     assert targets["deterministic_cost_decode_server_8"] == det["decode_server_8"]["cost"]

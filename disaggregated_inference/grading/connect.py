@@ -36,8 +36,8 @@ def deterministic(cfg):
     entry or the server's own override says: a grade must not depend on what else the cluster was doing
     (docs/ARCHITECTURE.md, Determinism). Other engines' servers are left as they are."""
     def invariant(entry):
-        if entry.settings.get("backend") != "llama_cpp" or entry.settings.get("deterministic") is not False:
-            return entry  # unset: the engine's default, on
+        if entry.settings.get("backend") != "llama_cpp" or entry.settings.get("deterministic") is True:
+            return entry
         return replace(entry, settings={**entry.settings, "deterministic": True})
 
     return replace(cfg, prefill_servers=[invariant(e) for e in cfg.prefill_servers],
