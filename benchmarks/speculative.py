@@ -1,7 +1,8 @@
 """Benchmark: prompt-lookup speculation on a decode server, off against on, in one run on one server.
 
 One decode server (the embedded config's "qwen" model, SmolLM2, ``parallel: 8``, ``--threads``
-threads) serves every row; each request names its proposer (``"speculation": "off"`` or
+threads, ``deterministic`` steps as in the grader's cluster unless ``--deterministic off``) serves
+every row; each request names its proposer (``"speculation": "off"`` or
 ``"ngram"``), so both sides run on the same process, the same slots and the same cached prompts.
 Two prompt sets:
 
@@ -83,7 +84,7 @@ def free_requests(max_tokens: int) -> list[dict]:
     return [{"prompt": p, "max_new_tokens": max_tokens, "temperature": 0} for p in FREE]
 
 
-def config_dict(threads: int, tiny: bool) -> dict:
+def config_dict(threads: int, tiny: bool, deterministic: bool = True) -> dict:
     data = json.loads((ROOT / "config_current.json").read_text())
     data = quick.on_tiny_model(data, keep=("qwen",)) if tiny else {
         **data, "models": {"qwen": data["models"]["qwen"]},
@@ -93,7 +94,7 @@ def config_dict(threads: int, tiny: bool) -> dict:
     model = data["models"]["qwen"]
     # the model's default does not matter (every request names its proposer); "ngram" measures the step
     # cost at load rather than at the first draft, which would take a slot's cached prompt
-    model.update(parallel=SLOTS, n_threads=threads, speculation="ngram")
+    model.update(parallel=SLOTS, n_threads=threads, speculation="ngram", deterministic=deterministic)
     data["server"].update(queue_timeout=600, max_queue=256)
     return data
 
@@ -160,10 +161,12 @@ def main(argv=None) -> int:
     ap.add_argument("--free-tokens", type=int, default=160, help="max_tokens of the free-writing prompts")
     ap.add_argument("--code-tokens", type=int, default=0, help="max_tokens of the code requests (0: the grader's)")
     ap.add_argument("--limit", type=int, default=0, help="the first N prompts of each set only (0: all)")
+    ap.add_argument("--deterministic", choices=("on", "off"), default="on",
+                    help="the server's batch-invariant steps (on: as the grader's cluster runs)")
     quick.add_argument(ap)
     args = quick.apply(ap, ap.parse_args(argv), threads=1, free_tokens=24, code_tokens=32, limit=3)
 
-    data = config_dict(args.threads, args.quick)
+    data = config_dict(args.threads, args.quick, args.deterministic == "on")
     bodies8: dict[str, list[dict]] = {}
     code, feedback = code_requests()
     sets = {"code": code, "free": free_requests(args.free_tokens)}
@@ -199,7 +202,7 @@ def main(argv=None) -> int:
     result = {
         "quick": args.quick,
         "model": "tiny llama (generated)" if args.quick else data["models"]["qwen"]["model"],
-        "threads": args.threads, "slots": SLOTS, "rounds": args.rounds,
+        "threads": args.threads, "slots": SLOTS, "rounds": args.rounds, "deterministic": args.deterministic == "on",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "step_cost": (describe.get("model_info") or describe.get("backend") or {}).get("speculation")
         if isinstance(describe, dict) else None,

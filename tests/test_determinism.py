@@ -267,3 +267,73 @@ def test_the_graders_embedded_cluster_runs_every_llama_cpp_server_deterministic_
     graded = deterministic(cfg)
     assert all(from_cluster(graded, e.name).model.deterministic for e in graded.servers)
     assert cfg.decode_servers[0].settings["deterministic"] is False  # the caller's config is left alone
+
+
+def test_the_grader_names_the_servers_whose_answers_can_move_with_load():
+    from types import SimpleNamespace
+
+    from disaggregated_inference.grading.connect import not_batch_invariant
+
+    def server(name, up, info):
+        return SimpleNamespace(entry=SimpleNamespace(name=name), up=up, health={"model_info": info} if info else {})
+
+    client = SimpleNamespace(servers={
+        "a": server("decode-a", True, {"deterministic": False}),
+        "b": server("decode-b", True, {"deterministic": True}),
+        "c": server("decode-c", False, {"deterministic": False}),  # down: asked again when it comes back
+        "d": server("ollama", True, {"model": "qwen3-coder:30b"}),  # an engine without the setting
+    })
+    assert not_batch_invariant(client) == ["decode-a"]
+
+
+GEMMA_PROBE = r"""
+import json, sys
+import numpy as np
+from disaggregated_inference.backends import ModelSettings, create
+from disaggregated_inference.backends.base import Eval, Prompt
+from tests.test_determinism import fill, text
+b = create(ModelSettings(model="gemma3-270m", n_threads=1, n_ctx=1024, parallel=10, prefix_cache=False,
+                         deterministic=sys.argv[1] == "on"))
+b.load()
+prompts = [b.tokenize(Prompt(text=text(i, 60 + 40 * i)))[0] for i in range(3)]
+def first(together):
+    seqs = [b._acquire()[0] for _ in together]
+    for s, p in zip(seqs, together):
+        fill(b, s, p[:-1])
+    evs = [Eval(s, p[-1:], len(p) - 1) for s, p in zip(seqs, together)]
+    b.evaluate(evs)
+    out = b._row_logits(evs[0].row).copy()
+    for s in seqs:
+        b._release(s)
+    return out
+x, short = prompts[2], [prompts[0], prompts[1]] * 5
+alone = first([x])
+print(json.dumps({f"beside {n}": float(np.abs(first([x] + short[:n]) - alone).max()) for n in (3, 7, 9)}))
+"""
+
+
+def gemma_moved(setting: str) -> dict:
+    """The probe in a process of its own: ggml reads ``GGML_CPU_TILED_MM`` once per process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+    done = subprocess.run([sys.executable, "-c", GEMMA_PROBE, setting], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_k_quant_weights_compute_a_step_of_eight_rows_or_more_as_one_of_fewer():
+    """Gemma 3's Q4_K/Q6_K layers: ggml's tiled K-quant matmul takes a matmul of 8 rows or more, ``vec_dot``
+    fewer (0.377 apart measured); ``deterministic`` turns the tiled path off in its process, and the
+    plain setting shows the probe can tell."""
+    on, off = gemma_moved("on"), gemma_moved("off")
+    print("deterministic:", on, "plain:", off)
+    assert on == {"beside 3": 0.0, "beside 7": 0.0, "beside 9": 0.0}
+    assert off["beside 7"] > 0 and off["beside 9"] > 0

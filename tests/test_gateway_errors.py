@@ -82,6 +82,8 @@ def test_bad_bodies_are_400s_naming_the_field():
         ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/completions", {"model": "qwen", "prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
         ("/v1/chat/completions", {**CHAT, "ignore_eos": True, "response_format": {"type": "json_object"}}, "ignore_eos"),
+        ("/v1/chat/completions", {**CHAT, "speculation": "eagle"}, "speculation"),
+        ("/v1/completions", {"model": "qwen", "prompt": "hi", "speculation": True}, "speculation"),
     ]
     for path, body, param in cases:
         resp = client.post(path, json=body)
@@ -228,3 +230,11 @@ def test_every_4xx_keeps_openais_shape_and_type():
     resp = client.post("/v1/chat/completions", data=b"[" * 200 + b"]" * 200, headers=auth,
                        content_type="application/json")
     assert resp.status_code == 400 and resp.get_json()["error"]["param"] == "body"
+
+
+def test_speculation_is_passed_to_the_client_as_the_decode_servers_field():
+    from disaggregated_inference.gateway.parse import parse_openai_chat, parse_openai_completion
+
+    chat = parse_openai_chat({**CHAT, "speculation": "ngram"})
+    assert chat.client_kwargs()["speculation"] == "ngram"
+    assert "speculation" not in parse_openai_completion({"model": "qwen", "prompt": "hi"}).client_kwargs()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import chat
+from ..backends.speculate import PROPOSERS
 from ..errors import BadRequest
 
 UNLIMITED_TOKENS = 1 << 20  # the decode server stops at the end of its context first
@@ -55,6 +56,7 @@ class GatewayRequest:
     reasoning_budget: int | None = None
     show_reasoning: bool = True      # Ollama's think: false leaves the thinking out of the answer
     ignore_eos: bool = False
+    speculation: str | None = None   # the decode server's proposer for this request (off, ngram)
 
     def client_kwargs(self) -> dict:
         """The keyword arguments of ``DisaggregatedClient.generate`` / ``.stream``."""
@@ -67,6 +69,8 @@ class GatewayRequest:
             kwargs["tool_choice"] = self.tool_choice
         if self.ignore_eos:
             kwargs["ignore_eos"] = True
+        if self.speculation is not None:
+            kwargs["speculation"] = self.speculation
         if self.messages is not None:
             kwargs["messages"] = [dict(m) for m in self.messages]
         else:
@@ -135,10 +139,11 @@ OPENAI_REFUSED = {
     "prediction": "predicted outputs are not supported", "echo": "echo is not supported",
     "suffix": "suffix (insertion) is not supported", "best_of": "best_of is not supported",
 }
-# ignore_eos: exactly max_tokens (vLLM's and llama.cpp's servers take it too); benchmarks need it
+# ignore_eos: exactly max_tokens (vLLM's and llama.cpp's servers take it too); benchmarks need it.
+# speculation: the decode server's proposer for the request (the servers' own field, passed through)
 OPENAI_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
                  "user", "frequency_penalty", "presence_penalty", "response_format", "store", "metadata",
-                 "ignore_eos"}
+                 "ignore_eos", "speculation"}
 
 
 def _openai_common(body: dict) -> dict:
@@ -160,6 +165,10 @@ def _openai_common(body: dict) -> dict:
     ignore_eos = _get(body, "ignore_eos", bool, False, what="a boolean")
     if ignore_eos and schema is not None:  # a grammar ends its output with an end-of-generation token
         raise BadRequest("'ignore_eos' cannot be combined with 'response_format'", field="ignore_eos")
+    speculation = _get(body, "speculation", str, None, what=f"one of {', '.join(PROPOSERS)}")
+    if speculation is not None and speculation not in PROPOSERS:
+        raise BadRequest(f"'speculation' must be one of {', '.join(PROPOSERS)}, got {speculation!r}",
+                         field="speculation")
     return {
         "model": _model(body),
         "stream": stream,
@@ -171,6 +180,7 @@ def _openai_common(body: dict) -> dict:
         "stop": _stop(body.get("stop"), "stop"),
         "json_schema": schema,
         "ignore_eos": ignore_eos,
+        "speculation": speculation,
     }
 
 

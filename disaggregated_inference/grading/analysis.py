@@ -264,7 +264,9 @@ def plan_requests(rubric: Rubric, notebook, evidence: Evidence, checks, options:
     common = {"temperature": options.temperature, "seed": options.seed}
     requests = [
         ModelRequest(CODE, {"model": options.code_model, "prompt": code_prompt(rubric, rendered, evidence, checks),
-                            "max_tokens": options.code_max_tokens, "json_schema": code_schema(rubric), **common}),
+                            "max_tokens": options.code_max_tokens, "json_schema": code_schema(rubric),
+                            **({"speculation": options.code_speculation} if options.code_speculation else {}),
+                            **common}),
         ModelRequest(FEEDBACK, {"model": options.feedback_model,
                                 "prompt": feedback_prompt(rubric, rendered, evidence, checks),
                                 "max_tokens": options.feedback_max_tokens, "json_schema": feedback_schema(),

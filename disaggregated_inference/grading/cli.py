@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the local cluster's models")
     p.add_argument("--force", action="store_true", help="grade again submissions already graded")
     p.add_argument("--code-model", default="qwen", help="model that analyses the code and scores (default: qwen)")
+    p.add_argument("--code-speculation", choices=("ngram", "off"), default="ngram",
+                   help="prompt-lookup speculation on the code model's answers (default: ngram; the server drafts "
+                        "only where it pays)")
     p.add_argument("--feedback-model", default="gpt-oss", help="model that writes feedback (default: gpt-oss)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="sampling seed (temperature is 0)")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
@@ -135,7 +138,8 @@ def run(args, interrupts: Interrupts | None = None) -> int:
             open_client(cfg, local_cluster=args.local_cluster, timeout=args.timeout, progress=progress,
                         models=(args.code_model, args.feedback_model)) as client:
         options = GradingOptions.for_cluster(client.config, code_model=args.code_model,
-                                             feedback_model=args.feedback_model, seed=args.seed)
+                                             feedback_model=args.feedback_model, seed=args.seed,
+                                             code_speculation=None if args.code_speculation == "off" else "ngram")
         jobs = args.jobs or default_jobs(client, (args.code_model, args.feedback_model))
         with interrupts.during_grading() as stop:
             batch = grade_batch(args.target, rubric, client, args.out, options, force=args.force,

@@ -1,6 +1,7 @@
 """A client for the grader: to a running cluster named by a config, or to an embedded local one."""
 from __future__ import annotations
 
+import logging
 import signal
 from contextlib import contextmanager
 from dataclasses import replace
@@ -8,6 +9,8 @@ from dataclasses import replace
 from .. import config as cluster_config
 from ..errors import GradingError
 
+
+log = logging.getLogger(__name__)
 
 _RUNNING: set = set()  # local clusters started here and not stopped yet (``kill_local_clusters``)
 
@@ -91,6 +94,17 @@ def require_servers(client, models=()) -> None:
                            "cluster (`disagg up`) or grade with --local-cluster")
 
 
+def not_batch_invariant(client) -> list[str]:
+    """The up llama.cpp servers whose steps are not batch-invariant (``/health`` ->
+    ``model_info.deterministic`` false): their answers can move with what else they serve."""
+    names = []
+    for server in list(getattr(client, "servers", {}).values()):
+        info = server.health.get("model_info") if server.up and isinstance(server.health, dict) else None
+        if isinstance(info, dict) and info.get("deterministic") is False:
+            names.append(server.entry.name)
+    return sorted(names)
+
+
 DEFAULT_JOBS = 2  # notebooks at once when no decode server reports its slots
 
 
@@ -139,6 +153,10 @@ def open_client(config=None, *, local_cluster: bool = False, timeout: float = 60
         try:
             if models:
                 require_servers(client, models)
+            if (moving := not_batch_invariant(client)):
+                log.warning("servers without deterministic steps: %s; a model's text may differ graded alone or "
+                            "beside others (set deterministic: true on their llama.cpp models, or grade with "
+                            "--local-cluster)", ", ".join(moving))
             yield client
         finally:
             client.close()
