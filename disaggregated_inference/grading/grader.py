@@ -31,7 +31,7 @@ GRADED, NEEDS_REVIEW, INVALID, ERROR = "graded", "needs_review", "invalid", "err
 FINAL_STATUSES = (GRADED, NEEDS_REVIEW, INVALID)  # an "error" result is graded again on the next run
 REQUEST_FIELDS = ("method", "prefill_time", "decode_time", "total_time", "prompt_tokens", "completion_tokens",
                   "prefill_speed", "decode_speed", "prefill_server", "decode_server", "kv_bytes", "finish_reason",
-                  "reasoning_tokens")
+                  "reasoning_tokens", "speculation", "draft_tokens", "accepted_tokens")
 
 
 def inference_summary(answers, rounds) -> dict:
