@@ -22,6 +22,12 @@ about 128, 512 and 1,024 tokens, it measures:
 - ``prefill_ms``: the prefill server's evaluation of the prompt (all tokens but the last; vLLM's
   evaluates the last too, its canary).
 
+``--handoff-modes whole streamed`` measures each pair's handoff both ways, one row per mode
+(``handoff_mode`` asked, ``served`` what the prefill server did: a pair whose KV is converted after
+the prefill, llama.cpp -> MLX, is served whole): the overlapped handoff's TTFT beside the whole
+one's, with ``exposed_ms``, what the stream left after the prefill ended (the decode server's
+``kv_exposed_time``). Whole only by default.
+
 Where vLLM runs (its pairs are left out where it is not installed), ``prefill_throughput`` compares
 its prefill server with the llama.cpp one (both ``parallel`` 8: vLLM's ``max_num_seqs``,
 llama.cpp's slots) at 1 and 8 concurrent prompts: raw prompts of the largest size that differ
@@ -35,6 +41,7 @@ first warms every server. On a machine where the prefill and decode servers shar
 ratios say what the handoff costs beside recomputing, not what a GPU prefill server would save.
 
     .venv/bin/python benchmarks/engines.py --json [--sizes 128 512 1024] [--repeat 2] [--threads 2]
+                                         [--handoff-modes whole streamed]
     .venv/bin/python benchmarks/engines.py --quick --json   # seconds: every pair on the tiny model, one size
 
 Each result is also written to stderr as it is measured, and Ctrl-C ends the run with the JSON
@@ -100,16 +107,17 @@ def prompt_of(tokens: int, per_char: float) -> str:
     return (FILLER * (chars // len(FILLER) + 1))[:chars]
 
 
-def handoff(http, prefill_url: str, decode_url: str, prompt: str) -> dict:
+def handoff(http, prefill_url: str, decode_url: str, prompt: str, mode: str = "whole") -> dict:
     started = time.perf_counter()
-    pre = http.post(f"{prefill_url}/prefill", json={"prompt": prompt, "raw": True, "kv_kind": "neutral_kv"},
-                    timeout=600)
+    pre = http.post(f"{prefill_url}/prefill", json={"prompt": prompt, "raw": True, "kv_kind": "neutral_kv",
+                                                    "handoff_mode": mode}, timeout=600)
     pre.raise_for_status()
     pre = pre.json()
     sent = time.perf_counter()
     dec = http.post(f"{decode_url}/decode", json={"kv": pre["kv"], "max_new_tokens": 1}, timeout=600)
     dec.raise_for_status()
-    m, p = dec.json()["metrics"], pre["metrics"]
+    m = dec.json()["metrics"]
+    p = {**pre["metrics"], **(m.get("prefill_metrics") or {})}  # streamed: the prefill's figures, from the trailer
     assert m["prompt_tokens_recomputed"] == 1 and m["method"] == "kv_handoff", m
     n_kv = p["prompt_tokens"] - 1
     convert = p.get("kv_convert_time", m.get("kv_convert_time"))
@@ -117,7 +125,8 @@ def handoff(http, prefill_url: str, decode_url: str, prompt: str) -> dict:
             "convert": convert, "kv_bytes": pre["kv"]["bytes"], "kv_bytes_per_token": pre["kv"]["bytes"] / n_kv,
             "kv_state_bytes": p.get("kv_state_bytes"), "import": m["kv_load_time"], "prefill": p["prefill_time"],
             "canary": m.get("canary"), "canary_divergence": m.get("canary_divergence"),
-            "cached": p.get("prompt_tokens_cached") or 0}
+            "cached": p.get("prompt_tokens_cached") or 0, "served": pre["handoff_mode"],
+            "exposed": m.get("kv_exposed_time")}
 
 
 def decode_only(http, decode_url: str, prompt: str) -> dict:
@@ -163,25 +172,34 @@ def distinct_prompts(n: int, tokens: int, per_char: float, start: int = 0) -> li
     return [f"Report {start + i}: " + prompt_of(tokens, per_char) for i in range(n)]
 
 
-def measure(http, urls: dict, pair: str, prompt: str, repeat: int) -> dict:
+def measure(http, urls: dict, pair: str, prompt: str, repeat: int, modes=("whole",)) -> list[dict]:
+    """One row per handoff mode: the handoffs of each mode and the decode server alone, alternating."""
     _, prefill, decode = PAIRS[pair]
-    hand, alone = [], []
+    hands, alone = {mode: [] for mode in modes}, []
     for i in range(repeat):
         order = (0, 1) if i % 2 == 0 else (1, 0)
         for which in order:
             if which == 0:
-                hand.append(handoff(http, urls[prefill], urls[decode], prompt))
+                for mode in modes:
+                    hands[mode].append(handoff(http, urls[prefill], urls[decode], prompt, mode))
             else:
                 alone.append(decode_only(http, urls[decode], prompt))
+    return [row(pair, mode, hand, alone, repeat) for mode, hand in hands.items()]
+
+
+def row(pair: str, mode: str, hand: list, alone: list, repeat: int) -> dict:
     med = lambda key, rows=hand: statistics.median(r[key] for r in rows)  # noqa: E731
     convert = [r["convert"] for r in hand if r["convert"] is not None]
     convert_ms = statistics.median(convert) * 1000 if convert else None
+    exposed = [r["exposed"] for r in hand if r["exposed"] is not None]
     kv_mb = hand[0]["kv_bytes"] / 1e6
     return {
         "pair": pair, "prompt_tokens": hand[0]["prompt_tokens"],
+        "handoff_mode": mode, "served": sorted({r["served"] for r in hand}),
         "handoff_ttft_s": round(med("ttft"), 4), "decode_only_ttft_s": round(med("ttft", alone), 4),
         "handoff_vs_decode_only": round(med("ttft") / med("ttft", alone), 3),
         "prefill_ms": round(med("prefill") * 1000, 1), "import_ms": round(med("import") * 1000, 2),
+        "exposed_ms": round(statistics.median(exposed) * 1000, 2) if exposed else None,
         "convert_ms": None if convert_ms is None else round(convert_ms, 2),
         "convert_ms_per_mb": None if convert_ms is None else round(convert_ms / kv_mb, 3),
         "kv_bytes": hand[0]["kv_bytes"], "kv_bytes_per_token": round(hand[0]["kv_bytes_per_token"]),
@@ -201,6 +219,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads per server")
     parser.add_argument("--pairs", nargs="*", default=list(PAIRS), choices=list(PAIRS))
+    parser.add_argument("--handoff-modes", nargs="+", default=["whole"], choices=["whole", "streamed"],
+                        help="the handoffs to measure: whole bundles, the overlapped (streamed) handoff, or both")
     parser.add_argument("--throughput-prompts", type=int, default=16,
                         help="prompts per concurrency level of the prefill throughput comparison (vLLM pairs only)")
     quick.add_argument(parser)
@@ -235,8 +255,10 @@ def main(argv=None) -> int:
                 decode_only(http, urls[decode], prompt_of(64, per_char))
             for size in args.sizes:
                 for pair in pairs:
-                    rows.append(measure(http, urls, pair, prompt_of(size, per_char), args.repeat))
-                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # a long run's figures so far
+                    measured = measure(http, urls, pair, prompt_of(size, per_char), args.repeat, args.handoff_modes)
+                    rows += measured
+                    for r in measured:
+                        print(json.dumps(r), file=sys.stderr, flush=True)  # a long run's figures so far
         if with_vllm:
             size, n = max(args.sizes), args.throughput_prompts
             for level, concurrency in enumerate((1, THROUGHPUT_PARALLEL)):
@@ -248,7 +270,8 @@ def main(argv=None) -> int:
     finally:
         cluster.stop()
     out = {"quick": args.quick, "model": Path(model_file).name, "sizes": args.sizes, "repeat": args.repeat,
-           "pairs": pairs, "results": rows, "prefill_throughput": throughput, "interrupted": interrupted,
+           "pairs": pairs, "handoff_modes": args.handoff_modes, "results": rows, "prefill_throughput": throughput,
+           "interrupted": interrupted,
            "left_out": sorted(set(args.pairs) - set(pairs)),
            "machine": {"cpus": os.cpu_count(), "llama_threads_per_server": args.threads,
                        "torch_threads": 1, "gpu": None}}
@@ -256,7 +279,8 @@ def main(argv=None) -> int:
         print(json.dumps(out))
     else:
         for r in rows:
-            print(f"{r['pair']:18s} {r['prompt_tokens']:5d} tokens: handoff {r['handoff_ttft_s'] * 1000:8.1f} ms, "
+            print(f"{r['pair']:18s} {r['prompt_tokens']:5d} tokens: handoff ({'/'.join(r['served'])}) "
+                  f"{r['handoff_ttft_s'] * 1000:8.1f} ms, "
                   f"decode-only {r['decode_only_ttft_s'] * 1000:8.1f} ms ({r['handoff_vs_decode_only']:.2f}); "
                   f"convert {r['convert_ms']} ms, {r['kv_bytes_per_token']} B/token")
         for r in throughput:

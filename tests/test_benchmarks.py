@@ -243,12 +243,15 @@ def test_canary():
 @pytest.mark.slow
 def test_engines():
     pytest.importorskip("mlx_lm")  # every pair decodes on an MLX server
-    out = run_quick("engines.py")
+    out = run_quick("engines.py", "--handoff-modes", "whole", "streamed")
     assert out["quick"] is True and not out["interrupted"]
     rows = out["results"]
-    assert len(rows) == len(out["pairs"]) * len(out["sizes"]) and out["pairs"]
+    assert len(rows) == len(out["pairs"]) * len(out["sizes"]) * 2 and out["pairs"]
     for r in rows:
         assert r["runs"] == out["repeat"] and r["canary"] == ["passed"]
+        # the engines that stream their KV do (llama.cpp's converted to neutral_kv, and MLX's, go whole)
+        streams = r["handoff_mode"] == "streamed" and r["pair"] in ("transformers->mlx", "vllm->llama_cpp", "vllm->mlx")
+        assert r["served"] == ["streamed" if streams else "whole"] and (r["exposed_ms"] is not None) == streams, r
         assert quotient(r["handoff_vs_decode_only"], r["handoff_ttft_s"], r["decode_only_ttft_s"], 4)
         assert r["kv_bytes_per_token"] == round(r["kv_bytes"] / (r["prompt_tokens"] - 1))
         assert (r["convert_ms"] is None) == (r["pair"] == "mlx->mlx")  # MLX -> MLX converts nothing

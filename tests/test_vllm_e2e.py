@@ -20,6 +20,11 @@ What is compared, and against what:
   103-token ``LONG_PROMPT`` the greedy text is its own for 16 tokens. So this pair is held to
   ``LLAMA_TOLERANCE`` (0.75, under the canary's own cross-engine 1.0) on the canary, and to
   llama.cpp's own greedy text on ``LONG_PROMPT``.
+
+The prefill server's engine steps take ``STEP_TOKENS`` prompt tokens (vLLM's chunked prefill), so a
+longer prompt's KV is captured, and streamed, over several steps: the overlapped handoff's pieces are
+one per layer of each step, and what llama.cpp continues from them is what it continues from the whole
+bundle.
 """
 from __future__ import annotations
 
@@ -37,6 +42,8 @@ pytestmark = [pytest.mark.slow,
 PROMPT = "Name two uses of a pandas groupby."
 LONG_PROMPT = "Explain what a confusion matrix shows, and how precision and recall are computed from it. " * 6
 N_TOKENS = 8
+STEP_TOKENS = 128  # prompt tokens per vLLM engine step (max_num_batched_tokens): under LONG_PROMPT's 103 + chat
+N_LAYER = 30  # SmolLM2-135M
 MLX_TOLERANCE = 1e-3
 LLAMA_TOLERANCE = 0.75
 HAS_MLX = importlib.util.find_spec("mlx_lm") is not None
@@ -44,7 +51,8 @@ NEEDS_MLX = pytest.mark.skipif(not HAS_MLX, reason="mlx-lm is not installed")
 
 
 def vllm_config(kv_sources) -> dict:
-    model = {"backend": "vllm", "model": "smollm2", "n_ctx": 2048, "n_threads": THREADS, "parallel": 2}
+    model = {"backend": "vllm", "model": "smollm2", "n_ctx": 2048, "n_threads": THREADS, "parallel": 2,
+             "max_num_batched_tokens": STEP_TOKENS}
     decode = [{"name": "decode-llama", "host": "127.0.0.1", "port": 18311, "model": "smol", "backend": "llama_cpp"}]
     if HAS_MLX:
         decode.append({"name": "decode-mlx", "host": "127.0.0.1", "port": 18312, "model": "smol", "backend": "mlx"})
@@ -96,6 +104,7 @@ def test_health_names_the_engine_its_kind_and_the_weights_both_sides_share(urls,
     assert fingerprint["library"] == "vllm" and fingerprint["weights_from"] == "gguf"
     assert fingerprint["device"] == "cpu" and fingerprint["dtype"] == "float32"
     assert prefill["options"]["parallel"] == 2 and prefill["model_info"]["prefix_cache"] is True
+    assert prefill["handoff_modes"] == ["whole", "streamed"] and prefill["model_info"]["kv_streaming"]["enabled"]
     decode = http.get(urls["decode-llama"] + "/health", timeout=30).json()
     assert decode["accepts"] == ["llama_seq_state", "neutral_kv", "token_ids"]
     assert decode["fingerprint"]["model_sha256"] == fingerprint["model_sha256"]
@@ -151,6 +160,55 @@ def test_the_client_asks_for_a_kind_every_decode_server_reads(vllm_cluster, urls
                                             temperature=0)
             assert metrics["method"] == "kv_handoff" and metrics["prompt_tokens_recomputed"] == 1, metrics
             assert metrics["canary"] == "passed" and text
+            assert metrics["handoff_mode"] == "streamed"  # the client's default, which vLLM now serves
+
+
+def streamed_pieces(raw: bytes) -> tuple[dict, list, bytearray, dict]:
+    """A streamed bundle read frame by frame (each piece checked against its checksum as it lands): the
+    header's neutral meta, each piece's segments in the order they came, the payload, the trailer."""
+    from disaggregated_inference.kv import bundle
+
+    src = io.BytesIO(raw)
+    header, _ = bundle.read_preamble(src, (bundle.STREAMED_VERSION,))
+    payload = bytearray(header.payload_bytes)
+    view, coverage, pieces, trailer = memoryview(payload), bundle.Coverage(header.payload_bytes), [], {}
+    while True:
+        kind, value = bundle.read_stream_frame(src, view, coverage)
+        if kind == "piece":
+            pieces.append([tuple(segment) for segment in value.segments])
+        elif kind == "trailer":
+            trailer = value
+        elif kind == "end":
+            return header.meta["neutral"], pieces, payload, trailer
+
+
+def test_a_streamed_handoff_leaves_layer_by_layer_step_by_step_and_continues_as_the_whole_one(urls, http):
+    from disaggregated_inference.kv import bundle, neutral
+
+    prompt = "Stores report weekly sales, returns and staffing by region and by month. " * 20  # ~300 tokens
+    url = urls["prefill-vllm"] + "/prefill"
+    streamed = http.post(url, json={"prompt": prompt, "raw": True, "handoff_mode": "streamed"}, timeout=300).json()
+    assert streamed["handoff_mode"] == "streamed" and streamed["kv"]["mode"] == "streamed", streamed
+    meta, pieces, payload, trailer = streamed_pieces(http.get(streamed["kv"]["url"], timeout=120).content)
+    n = meta["n_kv_tokens"]
+    assert n > 2 * STEP_TOKENS and len(payload) == streamed["kv"]["bytes"]
+    # one piece per layer of each engine step, as that layer ran: every layer's first 128 tokens, then the next
+    steps = [(start, min(start + STEP_TOKENS, n)) for start in range(0, n, STEP_TOKENS)]
+    assert pieces == [neutral.token_segments(meta, il, start, end) for start, end in steps for il in range(N_LAYER)]
+    assert trailer["meta"]["canary"]["engine"] == "vllm/cpu" and trailer["metrics"]["handoff_mode"] == "streamed"
+    # the whole bundle of the same prompt (its first two steps now from vLLM's prefix cache): the same bytes
+    whole = http.post(url, json={"prompt": prompt, "raw": True}, timeout=300).json()
+    _, _, whole_payload = bundle.read_bundle(io.BytesIO(http.get(whole["kv"]["url"], timeout=120).content))
+    assert whole["handoff_mode"] == "whole" and bytes(whole_payload) == bytes(payload)
+    # and llama.cpp continues either exactly alike
+    texts = []
+    for mode in ("streamed", "whole"):
+        pre, dec = handoff(http, urls, "decode-llama", prompt, raw=True, handoff_mode=mode)
+        m = dec["metrics"]
+        assert m["method"] == "kv_handoff" and m["handoff_mode"] == mode and m["canary"] == "passed", m
+        assert m["prompt_tokens_recomputed"] == 1 and m["canary_divergence"] < LLAMA_TOLERANCE, m
+        texts.append(dec["generated_text"])
+    assert texts[0] == texts[1] and texts[0]
 
 
 def test_prefix_cache_hits_are_reported_as_cached_prompt_tokens(urls, http):

@@ -21,6 +21,16 @@ rotates halves, RoPE "neox", on checkpoint-order weights): a llama.cpp decode
 server of a llama-family GGUF permutes it on import, an MLX one takes it as is.
 vLLM's automatic prefix caching is on; its hits are ``prompt_tokens_cached``.
 
+**Streamed** (the overlapped handoff, ``kv/stream.py``): the payload is laid
+out and the bundle opened before the request enters the engine; the
+connector's per-layer hook (``save_kv_layer``) copies each layer's K and V of
+the tokens an engine step computes and hands them to the stream as one piece
+while the layers above still run, so a prompt that vLLM's chunked prefill
+splits over several steps leaves chunk by chunk, layer by layer (the cached
+prefix with the first chunk). The canary and the prefill's figures follow in
+the trailer; a prefill that fails half-way (a layer the connector cannot read,
+an engine that fails, a request refused) ends the stream with an error frame.
+
 **Serving.** vLLM batches inside itself: the server's ``parallel`` requests run
 on as many worker threads (``slots``), each handing its request to the one
 thread that owns the engine (``_EngineThread``: it builds the engine, adds the
@@ -46,7 +56,7 @@ from typing import Callable, Iterator
 from ..errors import BackendUnavailable, BadRequest, BundleError, ConfigError, FingerprintMismatch
 from ..kv import fingerprint as fp
 from ..kv import neutral
-from ..kv.buffers import sendable
+from ..kv.buffers import populate, sendable
 from ..kv.bundle import KIND_NEUTRAL_KV, KIND_TOKEN_IDS
 from .base import Backend, Event, ModelSettings, Prefilled, Prompt, Received, Sampling, check_fits, rate
 from .gguf import resolve_gguf
@@ -81,6 +91,8 @@ class VllmBackend(Backend):
     handoff_kind = KIND_NEUTRAL_KV
     accepts = (KIND_TOKEN_IDS,)
     Settings = VllmSettings
+    # the overlapped handoff: each layer's K/V of the tokens an engine step computes leaves once that layer ran
+    kv_streaming = {"enabled": True, "reason": None}
 
     def __init__(self, settings):
         super().__init__(settings)
@@ -197,7 +209,7 @@ class VllmBackend(Backend):
                 "weights_from": self._fingerprint.get("weights_from"), "weights": self.settings.weights or None,
                 "n_ctx": self.settings.n_ctx,
                 "parallel": self.slots, "device": self._device, "prefix_cache": True,
-                "vllm_version": self._fingerprint.get("library_version"),
+                "vllm_version": self._fingerprint.get("library_version"), "kv_streaming": self.kv_streaming,
                 "engine": None if self._engine is None else self._engine.state,
                 **({"ready": False} if self._engine is not None and self._engine.state != "running" else {})}
 
@@ -211,7 +223,10 @@ class VllmBackend(Backend):
 
     # -- the verbs -------------------------------------------------------------------------------
 
-    def prefill(self, prompt: Prompt) -> Prefilled:
+    def prefill(self, prompt: Prompt, kv_stream=None) -> Prefilled:
+        """Evaluate the prompt (one generated token: the canary) capturing the KV of all but its last token;
+        with ``kv_stream`` (a sink of ``kv/stream.py``) each layer's K and V of the tokens an engine step
+        computed go to the sink as soon as that layer's attention has written them (``vllm_connector.py``)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -225,6 +240,15 @@ class VllmBackend(Backend):
         layout = self._layout
         capture = vllm_connector.Capture(layout["n_layer"], layout["n_kv_heads"], layout["head_dim_k"],
                                          n_kv, self._kv_dtype, allocate=sendable)
+        populate(capture.payload)  # its pages fault in beside the prefill, not in the layers' copies
+        kv = neutral.NeutralKV(capture.keys, capture.values, dtype=self._kv_dtype, pos_start=0, rope=layout["rope"],
+                               head_dim_order=layout["head_dim_order"], model=self.identity())
+        meta = {"stop": list(stops), "neutral": neutral.validate_meta(kv.meta())}
+        if kv_stream is not None:
+            kv_stream.open(KIND_NEUTRAL_KV, tokens, capture.payload, self.fingerprint(), meta)
+            capture.on_layer = _publisher(kv_stream, capture, meta["neutral"])
+            if not n_kv:
+                kv_stream.ended()
         key = uuid.uuid4().hex
         extra = {"kv_transfer_params": {vllm_connector.CAPTURE_KEY: key, "n_tokens": n_kv}} if n_kv else None
         params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=max(1, self.canary.top_k), detokenize=False,
@@ -237,23 +261,23 @@ class VllmBackend(Backend):
             vllm_connector.forget(key)
         prefill_time = time.perf_counter() - t1
         if n_kv and not capture.complete:
-            raise BundleError(f"vLLM's KV of this prompt was not captured ({len(capture.saved)} of "
+            raise BundleError(f"vLLM's KV of this prompt was not captured ({capture.layers_done} of "
                               f"{layout['n_layer']} layers): {capture.error or 'the request ended first'}", field="kv")
-        kv = neutral.NeutralKV(capture.keys, capture.values, dtype=self._kv_dtype, pos_start=0, rope=layout["rope"],
-                               head_dim_order=layout["head_dim_order"], model=self.identity())
         t2 = time.perf_counter()
-        meta = {"stop": list(stops), "neutral": neutral.validate_meta(kv.meta())}
         if self.canary.top_k > 0:
             meta["canary"] = canary_of(final.outputs[0].logprobs[0], self.canary.top_k, self.engine)
         canary_time = time.perf_counter() - t2
         cached = final.num_cached_tokens or 0
         evaluated = len(tokens) - cached
+        streamed = kv_stream is not None
         return Prefilled(
             kind=KIND_NEUTRAL_KV, tokens=tokens, payload=capture.payload, fingerprint=self.fingerprint(), meta=meta,
             metrics={"prompt_tokens": len(tokens), "prompt_tokens_evaluated": evaluated,
                      "prompt_tokens_cached": cached, "tokenize_time": round(tokenize_time, 6),
                      "prefill_time": round(prefill_time, 6), "prefill_speed": rate(evaluated, prefill_time),
-                     "kv_export_time": round(capture.copy_seconds, 6), "kv_bytes": len(capture.payload),
+                     # the layers' copies out of vLLM's cache, made during the prefill (part of prefill_time)
+                     "kv_read_time" if streamed else "kv_export_time": round(capture.copy_seconds, 6),
+                     "kv_bytes": len(capture.payload), "handoff_mode": "streamed" if streamed else "whole",
                      "canary_ms": round(canary_time * 1000, 3) if "canary" in meta else None},
         )
 
@@ -303,6 +327,21 @@ class VllmBackend(Backend):
         yield Event(metrics=generation_metrics(
             tokens, len(tokens) - cached, generated, finish, started=started, t_gen=t_gen, first_at=first_at,
             extra={"kv_load_time": 0.0, "method": method, "prompt_tokens_cached": cached}))
+
+
+def _publisher(sink, capture, meta: dict) -> Callable[[int, int, int], None]:
+    """The capture's ``on_layer`` for a streamed handoff: each layer's tokens, once copied, are one piece of
+    the sink; the last layer's are the prompt's progress, and the last of all ends the payload."""
+    last = meta["n_layer"] - 1
+
+    def on_layer(il: int, start: int, end: int) -> None:
+        sink.ready(neutral.token_segments(meta, il, start, end))
+        if il == last:
+            sink.progress(end)
+        if capture.layers_done == capture.n_layer:
+            sink.ended()
+
+    return on_layer
 
 
 def canary_of(logprobs: dict, k: int, engine: str) -> dict:

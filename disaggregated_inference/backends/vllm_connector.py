@@ -6,15 +6,25 @@ It is one ``KVConnectorBase_V1`` with both of its roles:
 - **scheduler side** (``build_connector_meta``): a request whose sampling
   params carry ``extra_args["kv_transfer_params"]["disagg_capture"]`` (a key,
   and ``n_tokens``: how many prompt tokens to capture) is followed step by
-  step (its blocks; chunked prefill and preemption included). In the step that
-  computes its ``n_tokens``-th token, the step's metadata names its key, its
-  token count and the blocks that hold them.
+  step (its blocks; chunked prefill and preemption included). Each step that
+  computes some of its first ``n_tokens`` tokens names, in the step's
+  metadata, the tokens it makes final (from the first not saved yet: a prefix
+  cache hit's tokens go with the first step) and the blocks that hold them.
 - **worker side** (``save_kv_layer``, called by vLLM after each attention layer
   has written its KV): for each request the metadata names, that layer's K and
-  V of the request's blocks, cut to ``n_tokens``, copied straight into the
-  ``Capture`` the backend registered under the key: the neutral payload itself
-  (kv/neutral.py: layer after layer, K then V, each (n_kv_heads, n_tokens,
-  head_dim)), so the bundle needs no further encoding.
+  V of those tokens, copied straight into the ``Capture`` the backend
+  registered under the key: the neutral payload itself (kv/neutral.py: layer
+  after layer, K then V, each (n_kv_heads, n_tokens, head_dim)), so the
+  bundle needs no further encoding. The capture then tells ``on_layer``,
+  which is how the streamed handoff hands each layer's tokens over as soon as
+  that layer's forward is done (``vllm.py``).
+
+Every byte of the payload is written once: a layer's tokens are saved in
+order, and a request preempted and recomputed does not save again what it
+saved before (its K/V of those tokens is what it was, and may already be on
+its way to the decode server). The saves run in the forward pass's Python, so
+the connector asks vLLM for piecewise CUDA graphs (attention, and with it this
+hook, outside the graphs: a full graph would replay without calling it).
 
 The backend (``vllm.py``) runs vLLM's engine core in its own process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor), so both roles and
@@ -56,9 +66,13 @@ _NUMPY_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtyp
 
 
 class Capture:
-    """One request's K/V as the neutral payload, filled layer by layer by the worker side."""
+    """One request's K/V as the neutral payload, filled layer by layer (and step by step) by the worker side.
 
-    def __init__(self, n_layer: int, n_kv_heads: int, head_dim: int, n_tokens: int, dtype: str, allocate=bytearray):
+    ``on_layer(il, start, end)`` runs (on the engine's thread) once layer ``il``'s K and V of prompt tokens
+    ``start..end-1`` are in the payload; what it raises fails the capture like a copy that failed."""
+
+    def __init__(self, n_layer: int, n_kv_heads: int, head_dim: int, n_tokens: int, dtype: str, allocate=bytearray,
+                 on_layer=None):
         self.n_layer, self.n_kv_heads, self.head_dim, self.n_tokens, self.dtype = (
             n_layer, n_kv_heads, head_dim, n_tokens, dtype)
         item = _NUMPY_DTYPES[dtype]
@@ -70,28 +84,41 @@ class Capture:
             for out, at in ((self.keys, 2 * il), (self.values, 2 * il + 1)):
                 out.append(np.frombuffer(view, dtype=item, count=per, offset=at * per * item.itemsize)
                            .reshape(n_kv_heads, n_tokens, head_dim))
-        self.saved: set[int] = set()
+        self.saved = [0] * n_layer  # per layer: its first tokens in the payload
+        self.on_layer = on_layer or (lambda il, start, end: None)
         self.copy_seconds = 0.0
         self.error: str | None = None
 
-    def write(self, il: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Layer ``il``'s K and V, each (n_kv_heads, n_tokens, head_dim), copied into the payload."""
-        want = (self.n_kv_heads, self.n_tokens, self.head_dim)
-        if not 0 <= il < self.n_layer or tuple(k.shape) != want or tuple(v.shape) != want:
+    def write(self, il: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer ``il``'s K and V of tokens ``start..``, each (n_kv_heads, tokens, head_dim), copied into the
+        payload right after what that layer holds already, then handed on (``on_layer``)."""
+        if not 0 <= il < self.n_layer:
+            raise ValueError(f"layer {il}: the capture holds {self.n_layer} layers")
+        n = int(k.shape[1]) if k.dim() == 3 else -1
+        want = (self.n_kv_heads, n, self.head_dim)
+        if n < 1 or tuple(k.shape) != want or tuple(v.shape) != want:
             raise ValueError(f"layer {il}: K {tuple(k.shape)} and V {tuple(v.shape)}; the capture holds "
-                             f"{self.n_layer} layers of {want}")
+                             f"(n_kv_heads {self.n_kv_heads}, tokens, head_dim {self.head_dim})")
+        if start != self.saved[il] or start + n > self.n_tokens:
+            raise ValueError(f"layer {il}: tokens {start}..{start + n - 1} after {self.saved[il]} saved of "
+                             f"{self.n_tokens}: saves must follow each other")
         if _TORCH_DTYPES[self.dtype] != k.dtype:
             raise ValueError(f"the cache holds {k.dtype}; the capture was made for {self.dtype}")
         for dst, src in ((self.keys[il], k), (self.values[il], v)):
-            target = torch.from_numpy(dst)
+            target = torch.from_numpy(dst[:, start:start + n])
             if self.dtype == "bf16":
                 target = target.view(torch.bfloat16)
             target.copy_(src)
-        self.saved.add(il)
+        self.saved[il] = start + n
+        self.on_layer(il, start, start + n)
+
+    @property
+    def layers_done(self) -> int:
+        return sum(1 for n in self.saved if n == self.n_tokens)
 
     @property
     def complete(self) -> bool:
-        return self.error is None and len(self.saved) == self.n_layer
+        return self.error is None and self.layers_done == self.n_layer
 
 
 _captures: dict[str, Capture] = {}
@@ -117,8 +144,10 @@ def _lookup(key: str) -> Capture | None:
 @dataclass
 class _Save:
     key: str
-    n_tokens: int
-    block_ids: list
+    start: int  # the step makes tokens start..end-1 final (in every layer, one after the other)
+    end: int
+    block_ids: list  # the request's blocks from the one holding token ``start`` to the one holding ``end - 1``
+    offset: int  # where token ``start`` lies in the first of them
 
 
 @dataclass
@@ -131,6 +160,7 @@ class _Followed:
     key: str
     n_tokens: int
     block_ids: list
+    saved: int = 0  # tokens named in a save already
 
 
 class NeutralKVConnector(KVConnectorBase_V1):
@@ -161,11 +191,13 @@ class NeutralKVConnector(KVConnectorBase_V1):
         meta = CaptureMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            params = (getattr(new.sampling_params, "extra_args", None) or {}).get("kv_transfer_params") or {}
-            if CAPTURE_KEY not in params:
-                continue
-            self._followed[new.req_id] = _Followed(params[CAPTURE_KEY], int(params["n_tokens"]),
-                                                   list(new.block_ids[0]))
+            followed = self._followed.get(new.req_id)  # followed already: resumed after preemption (v2 runner)
+            if followed is None:
+                params = (getattr(new.sampling_params, "extra_args", None) or {}).get("kv_transfer_params") or {}
+                if CAPTURE_KEY not in params:
+                    continue
+                followed = self._followed[new.req_id] = _Followed(params[CAPTURE_KEY], int(params["n_tokens"]), [])
+            followed.block_ids = list(new.block_ids[0])
             self._advance(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -180,11 +212,20 @@ class NeutralKVConnector(KVConnectorBase_V1):
         return meta
 
     def _advance(self, meta: CaptureMetadata, req_id: str, computed_after_step: int) -> None:
+        """After this step the request's first ``computed_after_step`` tokens are in its blocks: the step
+        saves those of them not saved yet (a recomputation after preemption saves nothing twice; the request
+        is followed until it finishes)."""
         followed = self._followed[req_id]
-        if computed_after_step >= followed.n_tokens:  # this step writes the last of them
-            blocks = -(-followed.n_tokens // self._block_size)
-            meta.saves.append(_Save(followed.key, followed.n_tokens, followed.block_ids[:blocks]))
-            del self._followed[req_id]
+        end = min(computed_after_step, followed.n_tokens)
+        if end > followed.saved:
+            first, last = followed.saved // self._block_size, -(-end // self._block_size)
+            meta.saves.append(_Save(followed.key, followed.saved, end, followed.block_ids[first:last],
+                                    followed.saved - first * self._block_size))
+            followed.saved = end
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config) -> bool:
+        return True  # the saves are Python in the forward pass: a full CUDA graph would replay without them
 
     def request_finished(self, request, block_ids):
         self._followed.pop(request.request_id, None)
@@ -213,7 +254,8 @@ class NeutralKVConnector(KVConnectorBase_V1):
             try:
                 il, backend, isa, head_dim = self._layer(layer_name)
                 k, v = _split(kv_layer, backend, isa, head_dim)
-                capture.write(il, *(_tokens(x, save.block_ids, save.n_tokens) for x in (k, v)))
+                capture.write(il, save.start, *(_tokens(x, save.block_ids, save.offset, save.end - save.start)
+                                                for x in (k, v)))
             except Exception as exc:  # recorded for the backend: vLLM's forward pass must go on
                 capture.error = f"{layer_name}: {type(exc).__name__}: {exc}"
             capture.copy_seconds += time.perf_counter() - started
@@ -255,9 +297,10 @@ def _split(kv_layer: torch.Tensor, backend: str, isa: str | None, head_dim: int)
                      f"{', '.join(SPLIT_K_THEN_V_LAST)})")
 
 
-def _tokens(x: torch.Tensor, block_ids: list, n_tokens: int) -> torch.Tensor:
-    """The first ``n_tokens`` of a request's blocks, in order, as (kv_heads, n_tokens, head_dim)."""
+def _tokens(x: torch.Tensor, block_ids: list, offset: int, n_tokens: int) -> torch.Tensor:
+    """``n_tokens`` tokens of a request's blocks ``block_ids`` (in order), from ``offset`` in the first, as
+    (kv_heads, n_tokens, head_dim)."""
     index = torch.tensor(block_ids, dtype=torch.long, device=x.device)
     picked = x.index_select(0, index)  # (blocks, heads, block_size, head_dim)
     blocks, heads, size, dim = picked.shape
-    return picked.transpose(0, 1).reshape(heads, blocks * size, dim)[:, :n_tokens]
+    return picked.transpose(0, 1).reshape(heads, blocks * size, dim)[:, offset:offset + n_tokens]
