@@ -22,8 +22,9 @@ Prints one JSON object (``--json``) or a table. Measured in one run, so ratios c
 - ``deterministic``: what batch-invariant steps (the llama.cpp engine's ``deterministic``, off by
   default, on in the grader's cluster) cost, measured in this run: ``server_8``'s figure on two decode
   servers of the same model side by side, one with ``deterministic`` on and one with it off, measured in
-  turns for ``--rounds`` rounds (``decode_server_8``), the same with one stream (``decode_server_1``); and the cluster's tok/s at 8 concurrent requests
-  (prefill -> handoff -> decode) with it on and off (``cluster_8``). ``cost`` is 1 - on/off of
+  turns for ``--rounds`` rounds (``decode_server_8``), the same with one stream (``decode_server_1``);
+  and the cluster's tok/s at 8 concurrent requests (prefill -> handoff -> decode) with it on and off
+  (``cluster_8``). ``cost`` is 1 - on/off of
   the medians. ``--no-deterministic-cost`` skips it.
 - ``levels``: for 1, 2, 4, 8, 16 concurrent requests through ``DisaggregatedClient`` (prefill ->
   KV handoff -> decode), on the multi-slot cluster and on a one-slot cluster (``parallel: 1``):

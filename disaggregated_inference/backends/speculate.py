@@ -43,9 +43,17 @@ import statistics
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from ..errors import BadRequest
 from .base import Eval
 
 PROPOSERS = ("off", "ngram")
+
+
+def requested_proposer(name: str | None) -> str | None:
+    """A request's ``speculation`` field (``None``: the model's setting), or a ``BadRequest`` naming it."""
+    if name is not None and name not in PROPOSERS:
+        raise BadRequest(f"'speculation' must be one of {', '.join(PROPOSERS)}, got {name!r}", field="speculation")
+    return name
 
 # Chance that a prompt-lookup guess is accepted, given the guess before it was, by the length of the
 # match it came from (1, 2, 3, 4, 5 or more tokens): measured with SmolLM2 on the grader's greedy,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import chat
-from ..backends.speculate import PROPOSERS
+from ..backends.speculate import PROPOSERS, requested_proposer
 from ..errors import BadRequest
 
 UNLIMITED_TOKENS = 1 << 20  # the decode server stops at the end of its context first
@@ -165,10 +165,8 @@ def _openai_common(body: dict) -> dict:
     ignore_eos = _get(body, "ignore_eos", bool, False, what="a boolean")
     if ignore_eos and schema is not None:  # a grammar ends its output with an end-of-generation token
         raise BadRequest("'ignore_eos' cannot be combined with 'response_format'", field="ignore_eos")
-    speculation = _get(body, "speculation", str, None, what=f"one of {', '.join(PROPOSERS)}")
-    if speculation is not None and speculation not in PROPOSERS:
-        raise BadRequest(f"'speculation' must be one of {', '.join(PROPOSERS)}, got {speculation!r}",
-                         field="speculation")
+    speculation = requested_proposer(_get(body, "speculation", str, None,
+                                              what=f"one of {', '.join(PROPOSERS)}"))
     return {
         "model": _model(body),
         "stream": stream,

@@ -139,7 +139,7 @@ def run(args, interrupts: Interrupts | None = None) -> int:
                         models=(args.code_model, args.feedback_model)) as client:
         options = GradingOptions.for_cluster(client.config, code_model=args.code_model,
                                              feedback_model=args.feedback_model, seed=args.seed,
-                                             code_speculation=None if args.code_speculation == "off" else "ngram")
+                                             code_speculation=None if args.code_speculation == "off" else args.code_speculation)
         jobs = args.jobs or default_jobs(client, (args.code_model, args.feedback_model))
         with interrupts.during_grading() as stop:
             batch = grade_batch(args.target, rubric, client, args.out, options, force=args.force,

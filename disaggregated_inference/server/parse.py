@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from .. import chat
 from ..backends.base import Prompt, Sampling
-from ..backends.speculate import PROPOSERS
+from ..backends.speculate import PROPOSERS, requested_proposer
 from ..errors import BadRequest, PayloadTooLarge
 from ..kv.receive import KVRef
 
@@ -281,10 +281,8 @@ def parse_sampling(body: dict, limits: Limits = DEFAULT_LIMITS) -> Sampling:
             raise BadRequest("'ignore_eos' cannot be combined with a JSON schema", field="ignore_eos")
     for i, seq in enumerate(stop):
         check_text(seq, "stop")
-    speculation = _typed(body, "speculation", str, None, what=f"one of {', '.join(PROPOSERS)}")
-    if speculation is not None and speculation not in PROPOSERS:
-        raise BadRequest(f"'speculation' must be one of {', '.join(PROPOSERS)}, got {speculation!r}",
-                         field="speculation")
+    speculation = requested_proposer(_typed(body, "speculation", str, None,
+                                              what=f"one of {', '.join(PROPOSERS)}"))
     tools = chat.parse_tools(body.get("tools"), body.get("tool_choice"))
     if tools is not None:
         check_schema({"tools": tools.as_openai()}, "tools", limits)
