@@ -2,40 +2,61 @@
 
 The pages link to files such as ``../deploy/README.md`` so that they work where the Markdown is
 read in the repository. The site holds only docs/, so MkDocs would report such a link as not found;
-this hook checks that the file exists (a link to a missing file is a warning, which fails the strict
-build like any other broken link) and writes the link as the file's path in the repository, or as a
-link to it under ``repo_url`` when mkdocs.yml names one.
+this hook checks that the file exists, and that a Markdown file has the heading an ``#anchor`` names
+(a link that fails either is a warning, which fails the strict build like any other broken link),
+then writes the link as the file's path in the repository, or as a link to it under ``repo_url``
+when mkdocs.yml names one.
 """
 from __future__ import annotations
 
 import logging
+import os
 import re
 from pathlib import Path
+
+from pymdownx.slugs import slugify
 
 log = logging.getLogger("mkdocs.hooks.docs_links")
 
 LINK = re.compile(r"(?<!!)\[([^\]\n]+)\]\(([^)\s]+)\)")
 SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$")
+FENCE = re.compile(r"^\s*(```|~~~)")
+SLUG = slugify(case="lower")  # as mkdocs.yml's toc, as GitHub
+
+
+def anchors(markdown: str) -> set[str]:
+    """The anchors of a Markdown file's headings (code fences skipped)."""
+    found, fenced = set(), False
+    for line in markdown.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced and (heading := HEADING.match(line)):
+            found.add(SLUG(heading.group(1).replace("`", ""), "-"))
+    return found
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    docs = Path(config["docs_dir"]).resolve()
-    root = Path(config["config_file_path"]).resolve().parent
-    page_dir = (docs / page.file.src_path).parent
+    docs = os.path.abspath(config["docs_dir"])
+    root = os.path.dirname(os.path.abspath(config["config_file_path"]))
+    page_dir = os.path.dirname(os.path.join(docs, page.file.src_path))
 
     def rewrite(match: re.Match) -> str:
         text, target = match.groups()
         if SCHEME.match(target) or target.startswith("#"):
             return match.group(0)
         path, _, anchor = target.partition("#")
-        resolved = (page_dir / path).resolve()
-        if resolved == docs or docs in resolved.parents:
+        resolved = os.path.normpath(os.path.join(page_dir, path))
+        if resolved == docs or resolved.startswith(docs + os.sep):
             return match.group(0)  # a page of the site: MkDocs checks it
-        if root not in resolved.parents or not resolved.exists():
-            log.warning("Doc file '%s' links to '%s', which is not a file of the repository", page.file.src_path,
-                        target)
+        if not resolved.startswith(root + os.sep) or not os.path.exists(resolved):
+            log.warning("Doc file '%s' links to '%s', which is not a file of the repository",
+                        page.file.src_path, target)
             return match.group(0)
-        in_repo = resolved.relative_to(root).as_posix()
+        if anchor and resolved.endswith(".md") and anchor not in anchors(Path(resolved).read_text()):
+            log.warning("Doc file '%s' links to '%s', but that file has no heading '#%s'",
+                        page.file.src_path, target, anchor)
+        in_repo = Path(os.path.relpath(resolved, root)).as_posix()
         if config.get("repo_url"):
             url = f"{config['repo_url'].rstrip('/')}/blob/HEAD/{in_repo}" + (f"#{anchor}" if anchor else "")
             return f"[{text}]({url})"
