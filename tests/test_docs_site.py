@@ -155,3 +155,23 @@ def test_the_readme_examples_run_as_written(tiny_cluster, tiny_gateway, tmp_path
         assert ran.stdout.strip(), script
     decoded = json.loads(ran.stdout)  # the curl example's last answer: a handoff's
     assert decoded["metrics"]["method"] == "kv_handoff" and decoded["metrics"]["prompt_tokens_recomputed"] <= 1
+
+
+@pytest.mark.slow  # about 45 s on 2 cores: eight notebooks, two models, on the tiny cluster
+def test_the_readme_grader_example_grades_the_examples(tiny_cluster, tmp_path):
+    """The README's grader command as written, on the running tiny cluster instead of one it starts
+    (``--config`` for ``--local-cluster``: the same flags otherwise)."""
+    config = tmp_path / "cluster.json"
+    config.write_text(json.dumps(tiny_cluster.config))
+    (block,) = [b for b in readme_blocks("bash") if "business_analytics_grader_v2.py" in b]
+    words = block.replace("\\\n", " ").split()
+    assert words[0] == ".venv/bin/python" and "--local-cluster" in words
+    args = [sys.executable, *words[1:]]
+    args[args.index("--local-cluster")] = f"--config={config}"
+    args[args.index("--out") + 1] = str(tmp_path / "grades")
+    ran = subprocess.run([*args, "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    out = tmp_path / "grades"
+    assert (out / "gradebook.csv").is_file() and (out / "summary.json").is_file()
+    reports = sorted(p.stem for p in out.glob("*.json") if p.stem != "summary")
+    assert "good_sales_analysis" in reports and all((out / f"{r}.md").is_file() for r in reports)
