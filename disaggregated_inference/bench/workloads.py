@@ -66,16 +66,6 @@ class Workload:
     def models(self) -> list[str]:
         return sorted({r.model for u in self.units for r in u.requests})
 
-    def cycle(self, n_units: int | None = None):
-        """The units in order, from the start again when they run out (``n_units`` in all, or forever)."""
-        sent = 0
-        while n_units is None or sent < n_units:
-            for unit in self.units:
-                if n_units is not None and sent >= n_units:
-                    return
-                yield unit
-                sent += 1
-
 
 def _cap(kwargs: dict, max_tokens: int | None) -> dict:
     return {**kwargs, "max_tokens": min(kwargs["max_tokens"], max_tokens)} if max_tokens else kwargs

@@ -44,7 +44,7 @@ def _readers():
                 else:
                     reasons.append(f"gpu{i}: NVML gives no total energy for this GPU (pre-Volta)")
         except Exception as exc:  # noqa: BLE001 - Zeus raises its own per platform
-            reasons.append(f"no GPU counter: {exc}")
+            reasons.append(f"no GPU counter (NVML, AMD SMI): {_short(exc)}")
         try:
             cpus = get_cpus()
             for i in range(len(cpus.cpus)):
@@ -53,7 +53,7 @@ def _readers():
                     readers.append((f"dram{i}", lambda i=i: (cpus.get_total_energy_consumption(i).dram_mj or 0)
                                     / 1000.0))
         except Exception as exc:  # noqa: BLE001
-            reasons.append(f"no CPU counter: {exc}")
+            reasons.append(f"no CPU counter (RAPL under /sys/class/powercap): {_short(exc)}")
         try:
             soc = get_soc()
             for part in ("cpu_total", "gpu", "dram", "ane"):
@@ -62,9 +62,13 @@ def _readers():
                     readers.append((label, lambda p=part: (getattr(soc.get_total_energy_consumption(), f"{p}_mj")
                                                            or 0) / 1000.0))
         except Exception as exc:  # noqa: BLE001
-            reasons.append(f"no SoC counter: {exc}")
+            reasons.append(f"no SoC counter (Apple Silicon, Jetson): {_short(exc)}")
         _probe = (readers, reasons)
         return _probe
+
+
+def _short(exc: Exception) -> str:
+    return str(exc).split(". ")[0].rstrip(".")[:120]
 
 
 def machine_id() -> str:
