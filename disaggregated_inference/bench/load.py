@@ -160,7 +160,10 @@ class Phase:
             else:
                 for _ in range(max(1, self.shape.concurrency or 1)):
                     self._spawn(self._worker)
-                self._wait(lambda: self.sending_over.is_set() or self.stop.is_set())
+                # senders stuck on an endpoint that stopped answering do not hold the phase past its time
+                deadline = self.result.started + self.shape.duration_s if self.shape.duration_s else None
+                self._wait(lambda: self.sending_over.is_set() or self.stop.is_set(), deadline=deadline)
+                self.sending_over.set()
             self._drain()
         except KeyboardInterrupt:
             self.result.interrupted = True

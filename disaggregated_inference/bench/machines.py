@@ -168,7 +168,7 @@ class MachineMonitor:
                     f"estimated from power_watts {m.power_watts:g} W (no counter: {m.reason})"
                     if m.basis == "estimated" else f"not measured on {m.servers[0].name}: {m.reason}"),
                 "power_watts": m.power_watts, "cost_per_hour": m.cost_per_hour,
-                "hardware_cost_usd": None if m.cost_per_hour is None else round(m.cost_per_hour * seconds / 3600, 6),
+                "hardware_cost_usd": None if m.cost_per_hour is None else round(m.cost_per_hour * seconds / 3600, 10),
                 "cpu_busy": None if cpu is None else round(cpu, 4),
                 "gpu_busy": None if gpu is None else round(gpu, 4),
             })

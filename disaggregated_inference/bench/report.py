@@ -120,8 +120,8 @@ def _energy_cost_util(prepared, state, ours: dict, targets: dict) -> tuple[list,
     # cost: the energy at --price-kwh plus each machine's hardware at its cost_per_hour
     hardware = [m["hardware_cost_usd"] for m in machines if m["hardware_cost_usd"] is not None]
     energy_usd = kwh * options.price_kwh if options.price_kwh is not None and not missing else None
-    cost = {"price_kwh": options.price_kwh, "energy_usd": None if energy_usd is None else round(energy_usd, 6),
-            "hardware_usd": round(sum(hardware), 6) if hardware else None}
+    cost = {"price_kwh": options.price_kwh, "energy_usd": None if energy_usd is None else round(energy_usd, 10),
+            "hardware_usd": round(sum(hardware), 10) if hardware else None}
     if not completed:
         rows.append(table.row("cost_per_request_usd", None, targets, "no completed request"))
     elif options.price_kwh is None and not hardware:

@@ -62,7 +62,7 @@ def row(name: str, value, targets: dict, reason: str | None = None, **extra) -> 
     else:
         ok = value < target if metric.better == "lower" else value > target
         status = MET if ok else NOT_MET
-        value = round(float(value), 6)
+        value = float(f"{float(value):.6g}")  # six significant digits: a cost per request may be tiny
     return {"name": name, "target": target, "value": value, "unit": metric.unit, "status": status,
             "reason": reason, "better": metric.better, **extra}
 
