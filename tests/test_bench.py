@@ -263,3 +263,53 @@ def test_energy_is_shared_by_tokens_among_requests_in_flight():
     # [0, 1): a has 10 tokens, b none; [1, 2): b alone has tokens; [5, 6): nobody in flight, shared evenly
     assert shares[id(a)] == pytest.approx(100 + 15)
     assert shares[id(b)] == pytest.approx(50 + 15)
+
+
+def test_each_server_reports_its_machines_energy_or_why_not(tiny_cluster):
+    """Real servers: an ``energy`` block in /health (the same machine for all four) and, where the machine has a
+    counter, ``disagg_energy_joules_total`` by device on /metrics; where it has none, no sample and a reason."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    blocks = [requests.get(p.url + "/health", timeout=10).json()["energy"] for p in tiny_cluster.processes]
+    assert len({b["machine"] for b in blocks}) == 1
+    metrics = requests.get(tiny_cluster.processes[0].url + "/metrics", timeout=10).text
+    samples = [s for f in text_string_to_metric_families(metrics) if f.name == "disagg_energy_joules"
+               for s in f.samples if s.name == "disagg_energy_joules_total"]
+    if blocks[0]["joules"] is None:
+        assert blocks[0]["reason"].startswith("no energy counter on this machine") and not samples
+    else:
+        assert {s.labels["device"] for s in samples} == set(blocks[0]["joules"])
+
+
+def test_the_energy_counter_is_exported_by_device(monkeypatch):
+    from disaggregated_inference.server import energy
+    from disaggregated_inference.server.metrics import ServerMetrics
+
+    monkeypatch.setattr(energy, "_probe", ([("gpu0", lambda: 1234.5), ("cpu0", lambda: 88.0)], []))
+    text = ServerMetrics("decode").render().decode()
+    assert 'disagg_energy_joules_total{device="gpu0"} 1234.5' in text
+    assert 'disagg_energy_joules_total{device="cpu0"} 88.0' in text
+    snap = energy.snapshot()
+    assert snap["joules"] == {"gpu0": 1234.5, "cpu0": 88.0} and snap["reason"] is None
+
+
+def test_the_dashboard_shows_the_last_report(peer_run, monkeypatch):
+    """The web interface's dashboard (Streamlit's AppTest) reads --out's bench.json: every metric with its value,
+    the peer's comparison. (tests/test_webui_browser.py sees it in a real browser.)"""
+    from streamlit.testing.v1 import AppTest
+
+    from disaggregated_inference.bench.table import fmt
+    from disaggregated_inference.grading.fakes import FakeGradingClient
+
+    report, out, _ = peer_run
+    monkeypatch.setenv("DISAGG_BENCH_OUT", str(out))
+    at = AppTest.from_file(str(ROOT / "disaggregated_inference" / "webui" / "dashboard.py"), default_timeout=60)
+    at.session_state["client"] = FakeGradingClient()
+    at.run()
+    assert not at.exception
+    assert any(h.value == "Last bench report" for h in at.header)
+    tables = [t.value for t in at.table]
+    metrics = next(t for t in tables if "metric" in t.columns and "status" in t.columns)
+    assert list(metrics["metric"]) == NAMES
+    assert list(metrics["value"])[1].startswith(fmt(report["success_metrics"][1]["value"], "req/s"))
+    assert any("gw" in t.columns for t in tables)  # the peer's comparison
