@@ -86,6 +86,7 @@ class HttpEndpoint:
     protocol: str
     model_names: dict = field(default_factory=dict)  # model key -> the name this endpoint knows it by
     timeout: float = 180.0
+    role: str = "peer"  # or "gateway": the cluster's own (--via gateway)
     session: requests.Session = field(default_factory=requests.Session)
 
     def model_name(self, key: str) -> str:
@@ -115,11 +116,19 @@ class HttpEndpoint:
         try:
             resp = self.session.get(self.url + path, timeout=5)
         except requests.RequestException as exc:
-            raise ConfigError(f"peer {self.name} at {self.url} does not answer: {type(exc).__name__}",
-                              field="--peer") from None
+            raise ConfigError(f"{self._label} at {self.url} does not answer: {type(exc).__name__}",
+                              field=self._flag) from None
         if resp.status_code >= 400:
-            raise ConfigError(f"peer {self.name} at {self.url}: GET {path} answered HTTP {resp.status_code}",
-                              field="--peer")
+            raise ConfigError(f"{self._label} at {self.url}: GET {path} answered HTTP {resp.status_code}",
+                              field=self._flag)
+
+    @property
+    def _label(self) -> str:
+        return f"peer {self.name}" if self.role == "peer" else "the cluster's gateway"
+
+    @property
+    def _flag(self) -> str:
+        return "--peer" if self.role == "peer" else "--via"
 
     def close(self) -> None:
         self.session.close()

@@ -32,7 +32,7 @@ class LoadShape:
 
     @property
     def label(self) -> str:
-        return f"rate {self.rate:g}/s" if self.rate else f"concurrency {self.concurrency}"
+        return f"rate {self.rate:.3g}/s" if self.rate else f"concurrency {self.concurrency}"
 
 
 @dataclass

@@ -130,7 +130,9 @@ def _our_endpoint(prepared: Prepared, cluster):
     if options.via == "gateway":
         url = cluster.gateway.url if cluster is not None else \
             f"http://{cfg.gateway['host']}:{cfg.gateway['port']}"
-        return HttpEndpoint("ours", url, "openai", {}, float(cfg.client.get("decode_timeout", 180.0)))
+        gateway = HttpEndpoint("ours", url, "openai", {}, float(cfg.client.get("decode_timeout", 180.0)), role="gateway")
+        gateway.check()
+        return gateway
     return ClientEndpoint(cluster.config if cluster is not None else cfg)
 
 
@@ -145,10 +147,7 @@ def _check_cluster(endpoint, say) -> None:
     client = getattr(endpoint, "client", None)
     if client is None:
         return
-    rows = client.check_health()
-    down = [r for r in rows if not r["up"]]
-    for r in down:
-        say(f"  warning: {r['name']} ({r['url']}) is down: {r['last_error']}")
+    rows = client.check_health()  # the client logs each server it finds down
     for model in client.config.models:
         if not any(r["up"] for r in rows if r["model"] == model and r["role"] == "decode"):
             raise ConfigError(f"no decode server of model {model!r} answers: nothing to measure "
@@ -244,7 +243,7 @@ def _load(prepared: Prepared, ours, chaos, state: dict, say) -> None:
                     return
         if options.sweep and stage == "throughput":
             first = [r for r in state["phases"] if r.side == "ours" and r.stage in ("sync", "throughput")]
-            stages += [(f"rate {s.rate:g}", s) for s in _sweep_shapes(prepared, first)]
+            stages += [(f"sweep {k + 1}", s) for k, s in enumerate(_sweep_shapes(prepared, first))]
         i += 1
 
 
