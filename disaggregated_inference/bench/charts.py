@@ -1,8 +1,8 @@
 """The report's PNG charts (matplotlib, drawn without a display):
 
 - ``latency.png``: the end-to-end latency of every answered request, by model, for the cluster and each peer;
-- ``load.png``: TTFT (p50, p95) and throughput against the load of each stage, the SLO knee marked (a sweep
-  gives several stages; a run of one load, one point a side);
+- ``load.png``: TTFT (p50, p95) and the answered rate against the offered load of each stage, the SLO knee
+  marked (a sweep gives several stages; a run of one load, one point a side);
 - ``timeline.png``: sampled requests of the cluster on one time axis, each split into prefill, KV transfer
   and decode (seed 003's "Data Flow Timeline", with measured numbers).
 """
@@ -59,21 +59,23 @@ def _load(plt, report: dict):
         return None
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     for name, stages, knee in sides:
-        points = sorted((s for s in stages if s["throughput_req_s"]), key=lambda s: s["throughput_req_s"])
+        points = sorted((s for s in stages if s["offered_req_s"]), key=lambda s: s["offered_req_s"])
         if not points:
             continue
-        x = [s["throughput_req_s"] for s in points]
+        x = [s["offered_req_s"] for s in points]
         top.plot(x, [s["p50_ttft_s"] for s in points], marker="o", label=f"{name} p50")
         top.plot(x, [s["p95_ttft_s"] for s in points], marker="^", linestyle="--", label=f"{name} p95")
-        bottom.plot(x, x, marker="o", label=name)
+        bottom.plot(x, [s["throughput_req_s"] for s in points], marker="o", label=name)
         if knee:
+            knee_x = next(s["offered_req_s"] for s in points if s["stage"] == knee["stage"])
             for ax in (top, bottom):
-                ax.axvline(knee["throughput_req_s"], color="red", linestyle=":", linewidth=1)
-            top.annotate("SLO knee", (knee["throughput_req_s"], top.get_ylim()[1] * 0.9), color="red")
+                ax.axvline(knee_x, color="red", linestyle=":", linewidth=1)
+            top.annotate("SLO knee", (knee_x, top.get_ylim()[1] * 0.9), color="red")
     top.set_ylabel("TTFT (s)")
     top.legend(fontsize=8)
-    bottom.set_ylabel("throughput (req/s)")
-    bottom.set_xlabel("load reached (answered requests/s per stage)")
+    bottom.set_ylabel("answered (req/s)")
+    bottom.legend(fontsize=8)
+    bottom.set_xlabel("offered load (requests/s: the Poisson rate; for a fixed concurrency, what it reached)")
     top.set_title("TTFT and throughput against load")
     return fig
 

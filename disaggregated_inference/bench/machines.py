@@ -62,6 +62,14 @@ class MachineMonitor:
         except (requests.RequestException, ValueError):
             return None
 
+    def _machine_health(self, m: Machine) -> dict:
+        """The /health of the machine's first server that answers (one may be down: --chaos stops one)."""
+        for url in dict.fromkeys([m.url] + [e.url for e in m.servers]):
+            health = self._health(url)
+            if health is not None:
+                return health
+        return {}
+
     def discover(self) -> None:
         """Group the servers by machine (their ``energy.machine``, else their host)."""
         from ..config import is_loopback
@@ -97,7 +105,7 @@ class MachineMonitor:
     def sample(self) -> None:
         """One reading of every machine (the monitor's thread, and the run at each phase's edges)."""
         with self._lock:
-            healths = {key: self._health(m.url) or {} for key, m in self.machines.items()}
+            healths = {key: self._machine_health(m) for key, m in self.machines.items()}
             now = time.perf_counter()
             here = self._cpu_busy_here()
             for key, m in self.machines.items():

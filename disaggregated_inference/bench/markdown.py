@@ -72,14 +72,16 @@ def render(report: dict) -> str:
                 f"Requests sent in the {f.get('window_s', '-')} s after the stop: {f.get('window_requests', 0)}, "
                 f"failed {f.get('window_failed', 0)}.", ""]
     if report.get("stages") and len(report["stages"]) > 1:
-        out += ["## Load stages", "", "| stage | load | throughput | p50 TTFT | p95 TTFT | p95 E2EL | errors | SLOs |",
-                "|---|---|---|---|---|---|---|---|"]
+        out += ["## Load stages", "", "| stage | load | offered | answered | p50 TTFT | p95 TTFT | p95 E2EL | errors | "
+                "SLOs |", "|---|---|---|---|---|---|---|---|---|"]
         for s in report["stages"]:
-            out.append(f"| {s['stage']} | {s['load']} | {_cell(s['throughput_req_s'], ' req/s')} | "
+            out.append(f"| {s['stage']} | {s['load']} | {_cell(s['offered_req_s'], ' req/s')} | "
+                       f"{_cell(s['throughput_req_s'], ' req/s')} | "
                        f"{_cell(s['p50_ttft_s'], ' s')} | {_cell(s['p95_ttft_s'], ' s')} | {_cell(s['p95_e2el_s'], ' s')} | "
                        f"{_cell(s['error_rate'])} | {'hold' if s['slo_ok'] else 'broken'} |")
         knee = report.get("knee")
-        out += ["", f"Knee: {knee['stage']} at {knee['throughput_req_s']:.3g} req/s." if knee else
+        out += ["", f"Knee: {knee['stage']}, offered {knee['offered_req_s']:.3g} req/s, answered "
+                    f"{knee['throughput_req_s']:.3g} req/s." if knee else
                 "Knee: the SLOs held at no stage.", ""]
     for peer in report["peers"]:
         out += [f"## Against {peer['name']} ({peer['protocol']}, {peer['url']})", "",

@@ -190,7 +190,9 @@ def _ordered(rows: list) -> list:
     return sorted(rows, key=lambda r: order[r["name"]])
 
 
-def _stages(side: dict, targets: dict) -> list:
+def _stages(side: dict, targets: dict, per_unit: float) -> list:
+    """Each load stage's figures; ``offered_req_s``: its Poisson rate in requests (a unit may hold several), and
+    for a closed loop (concurrency) what it reached."""
     out = []
     e2e_target = targets.get("e2e_latency_p95_s", table.BY_NAME["e2e_latency_p95_s"].target)
     err_target = targets.get("error_rate", table.BY_NAME["error_rate"].target)
@@ -206,6 +208,8 @@ def _stages(side: dict, targets: dict) -> list:
         out.append({"stage": stage, "load": phases[0].shape.label, "offered_rate": phases[0].shape.rate,
                     "concurrency": phases[0].shape.concurrency, "sent": len(samples), "completed": len(done),
                     "throughput_req_s": round(len(done) / wall, 6) if wall else None,
+                    "offered_req_s": round(phases[0].shape.rate * per_unit, 6) if phases[0].shape.rate else (
+                        round(len(done) / wall, 6) if wall else None),
                     "p50_ttft_s": _p(ttft, 50), "p95_ttft_s": _p(ttft, 95), "p95_e2el_s": p95,
                     "error_rate": error_rate,
                     "slo_ok": bool(done) and p95 is not None and p95 < e2e_target and error_rate < err_target})
@@ -213,11 +217,13 @@ def _stages(side: dict, targets: dict) -> list:
 
 
 def _knee(stages: list) -> dict | None:
-    ok = [s for s in stages if s["slo_ok"] and s["throughput_req_s"]]
+    """The highest offered load at which the SLOs (the latency and error-rate targets) still held."""
+    ok = [s for s in stages if s["slo_ok"] and s["offered_req_s"]]
     if not ok:
         return None
-    best = max(ok, key=lambda s: s["throughput_req_s"])
-    return {"stage": best["stage"], "throughput_req_s": best["throughput_req_s"], "p95_e2el_s": best["p95_e2el_s"]}
+    best = max(ok, key=lambda s: s["offered_req_s"])
+    return {"stage": best["stage"], "offered_req_s": best["offered_req_s"],
+            "throughput_req_s": best["throughput_req_s"], "p95_e2el_s": best["p95_e2el_s"]}
 
 
 def _timeline(side: dict, t0: float) -> list:
@@ -256,6 +262,8 @@ def _detail(samples, t0: float) -> list:
 
 def build(prepared, state, started_wall: float, started: float) -> dict:
     options, targets = prepared.options, prepared.options.targets
+    units = prepared.workload.units
+    per_unit = sum(len(u.requests) for u in units) / max(1, len(units))
     ours = _side(prepared, state, "ours")
     rows = _basic_rows(ours, targets)
     value, why, efficiency = _efficiency(state, "ours")
@@ -277,9 +285,9 @@ def build(prepared, state, started_wall: float, started: float) -> dict:
         peers.append({"name": peer.name, "url": peer.url, "protocol": peer.protocol,
                       "requests": side["requests"], "duration_s": side["duration_s"], "success_metrics": prow,
                       "comparison": table.comparison(rows, prow), "serving": side["serving"],
-                      "models": _per_model(side), "parallel_efficiency": peer_eff, "stages": _stages(side, targets),
+                      "models": _per_model(side), "parallel_efficiency": peer_eff, "stages": _stages(side, targets, per_unit),
                       "failures": _failures(side["samples"])})
-    stages = _stages(ours, targets)
+    stages = _stages(ours, targets, per_unit)
     report = {
         "format": FORMAT,
         "complete": not state["interrupted"],

@@ -142,7 +142,7 @@ def _server_entries(prepared: Prepared, cluster) -> list:
     return [p.entry for p in cluster.processes]
 
 
-def _check_cluster(endpoint, say) -> None:
+def _check_cluster(endpoint) -> None:
     """Through the client: every model needs a decode server that answers, else nothing is sent."""
     client = getattr(endpoint, "client", None)
     if client is None:
@@ -176,7 +176,7 @@ def execute(prepared: Prepared, say) -> dict:
     state = {"phases": [], "efficiency": {}, "interrupted": None, "chaos": None, "monitor": None}
     try:
         ours = _our_endpoint(prepared, cluster)
-        _check_cluster(ours, say)
+        _check_cluster(ours)
         monitor = MachineMonitor(_server_entries(prepared, cluster), token=os.environ.get("DISAGG_API_TOKEN"))
         monitor.discover()
         monitor.start()
