@@ -198,10 +198,10 @@ class ClientEndpoint:
 
     name = "ours"
 
-    def __init__(self, config):
+    def __init__(self, config=None, client=None):
         from ..client import DisaggregatedClient
 
-        self.client = DisaggregatedClient(config, health_check=False)
+        self.client = client if client is not None else DisaggregatedClient(config, health_check=False)
 
     def stream(self, request: BenchRequest):
         return self.client.stream(**request.kwargs)

@@ -91,6 +91,7 @@ class Phase:
         self.cut_reason: str | None = None
         self.result = PhaseResult(side, stage, phase, shape, time.perf_counter())
         self.threads: list[threading.Thread] = []
+        self.pause_after_failure_s = 0.2
 
     # -- what one request does ------------------------------------------------------------------------
     def _send(self, request: BenchRequest) -> None:
@@ -144,7 +145,12 @@ class Phase:
             unit = self._next_unit()
             if unit is None:
                 return
+            before = len(self.result.samples)
             self._send_unit(unit)
+            with self.lock:
+                failed = any(not s.ok for s in self.result.samples[before:] if s.timing is not None)
+            if failed:  # a caller that got an error does not retry in a tight loop
+                self.stop.wait(self.pause_after_failure_s)
 
     def _spawn(self, target, *args) -> None:
         t = threading.Thread(target=target, args=args, daemon=True)
@@ -222,6 +228,28 @@ class Phase:
         if self.progress is not None and now - self._last_tick >= 2.0:
             self._last_tick = now
             self.progress(self)
+
+
+class BackgroundLoad:
+    """A phase of ``concurrency`` senders in a thread of its own, from the ``with`` block's start to its end, when
+    it stops sending and waits for what is in flight (benchmarks/failover.py's load around a fault)."""
+
+    def __init__(self, endpoint, units, concurrency: int, stage: str = "background"):
+        self.phase = Phase(endpoint, units, LoadShape(concurrency=concurrency), side="ours", stage=stage, phase=0,
+                           grace_s=3600)
+        self.thread = threading.Thread(target=self.phase.run, daemon=True, name=f"bench-{stage}")
+
+    def __enter__(self) -> "BackgroundLoad":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.phase.stop.set()
+        self.thread.join()
+
+    @property
+    def samples(self) -> list:
+        return [s for s in self.phase.result.samples if s.timing is not None]
 
 
 def run_group(endpoint, unit: tuple[BenchRequest, ...], parallel: bool, side: str, stage: str) -> tuple[float, list]:
