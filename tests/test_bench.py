@@ -60,12 +60,14 @@ def _check_table(rows: list) -> None:
 
 @pytest.fixture(scope="module")
 def peer_run(tiny_cluster, tiny_gateway, tmp_path_factory):
-    """One bench run: 8 chat requests through the client, 2 at once, beside the gateway as an OpenAI-API peer."""
+    """One bench run: 8 chat requests through the client, 2 at once, beside the gateway as an OpenAI-API peer and
+    as an Ollama-API peer (it speaks both)."""
     tmp = tmp_path_factory.mktemp("bench")
     config = _config(tiny_cluster, tmp, power_watts=120, cost_per_hour=0.4)
     out = tmp / "out"
     rc = _bench("--config", config, "--workload", "chat", "--requests", 8, "--concurrency", 2, "--max-tokens", 8,
-                "--peer", f"gw=openai:{tiny_gateway}", "--price-kwh", 0.3, "--out", out,
+                "--peer", f"gw=openai:{tiny_gateway}", "--peer", f"gwo=ollama:{tiny_gateway}", "--price-kwh", 0.3,
+                "--out", out,
                 "--target", "e2e_latency_p95_s=60")
     assert rc == 0
     return json.loads((out / "bench.json").read_text()), out, tiny_cluster
@@ -115,33 +117,38 @@ def test_the_report_adds_up_to_the_requests_it_sent(peer_run):
     for model in ("qwen", "gpt-oss"):
         assert report["models"][model]["handoff"]["methods"], model
     text = (out / "bench.md").read_text()
-    assert "## Seed 004's success metrics" in text and "## Per model" in text and "## Against gw" in text
+    assert "## Seed 004's success metrics" in text and "## Per model" in text
+    assert "## Against gw (openai" in text and "## Against gwo (ollama" in text
     for chart in report["charts"]:
         assert (out / chart).stat().st_size > 1000
 
 
-def test_the_peer_gets_the_same_requests_and_its_rows_and_ratios(peer_run):
+@pytest.mark.parametrize("name, protocol", [("gw", "openai"), ("gwo", "ollama")])
+def test_each_peer_gets_the_same_requests_and_its_rows_and_ratios(peer_run, name, protocol):
     report, _, _ = peer_run
-    [peer] = report["peers"]
-    assert (peer["name"], peer["protocol"]) == ("gw", "openai")
+    peer = next(p for p in report["peers"] if p["name"] == name)
+    assert peer["protocol"] == protocol
     detail = report["requests_detail"]
     for phase in (1, 2):
         ours = [d["index"] for d in detail if d["side"] == "ours" and d["stage"] == "load" and d["phase"] == phase]
-        theirs = [d["index"] for d in detail if d["side"] == "gw" and d["stage"] == "load" and d["phase"] == phase]
+        theirs = [d["index"] for d in detail if d["side"] == name and d["stage"] == "load" and d["phase"] == phase]
         assert sorted(ours) == sorted(theirs) and ours
-    # phases alternate: ours, the peer's, ours, the peer's
-    assert [p["side"] for p in report["phases"]] == ["ours", "gw", "ours", "gw"]
-    assert peer["requests"]["sent"] == 8
+    # phases alternate: ours, each peer, ours, each peer
+    assert [p["side"] for p in report["phases"]] == ["ours", "gw", "gwo"] * 2
+    assert peer["requests"] == {"sent": 8, "completed": 8, "failed": 0}, peer["failures"]
     _check_table(peer["success_metrics"])
     prow = _rows(peer["success_metrics"])
     assert prow["throughput_req_s"]["value"] == pytest.approx(peer["requests"]["completed"] / peer["duration_s"],
                                                                rel=1e-4)
+    assert prow["parallel_efficiency"]["value"] is not None
     ours = _rows(report["success_metrics"])
     for c in peer["comparison"]:
         assert c["ours"] == ours[c["name"]]["value"] and c["peer"] == prow[c["name"]]["value"]
         if c["ours"] is not None and c["peer"]:
             assert c["ours_over_peer"] == pytest.approx(c["ours"] / c["peer"], rel=1e-3)
     assert prow["requests_per_kwh"]["status"] == "not_measured"
+    tokens = [d["output_tokens"] for d in detail if d["side"] == name and d["ok"]]
+    assert tokens and all(0 < n <= 8 for n in tokens)  # the server's own count, within --max-tokens
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -313,3 +320,26 @@ def test_the_dashboard_shows_the_last_report(peer_run, monkeypatch):
     assert list(metrics["metric"]) == NAMES
     assert list(metrics["value"])[1].startswith(fmt(report["success_metrics"][1]["value"], "req/s"))
     assert any("gw" in t.columns for t in tables)  # the peer's comparison
+
+
+@pytest.mark.slow
+def test_chaos_on_a_local_cluster_measures_failover_and_the_errors_around_it(tmp_path):
+    """``--local-cluster --chaos``: the bench starts its own servers (tiny models), kills the first prefill server a
+    third into the load, starts it again; the failover time and the window's error rate are in the report."""
+    from .conftest import tiny_config_dict
+
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(tiny_config_dict()))
+    rc = _bench("--config", config, "--local-cluster", "--workload", "chat", "--duration", 6, "--concurrency", 2,
+                "--max-tokens", 4, "--chaos", "--chaos-down", 1, "--efficiency-groups", 0, "--timeout", 300,
+                "--out", tmp_path / "o")
+    assert rc == 0
+    report = json.loads((tmp_path / "o" / "bench.json").read_text())
+    failover = report["failover"]
+    assert failover["server"] == "local-prefill-qwen" and failover["model"] == "qwen"
+    assert failover["stopped_after_s"] < failover["restarted_after_s"] < failover["healthy_after_s"]
+    row = _rows(report["success_metrics"])["failover_time_s"]
+    assert row["value"] is not None and row["value"] > 0, row
+    assert failover["window_requests"] > 0
+    assert failover["window_error_rate"] == pytest.approx(failover["window_failed"] / failover["window_requests"])
+    _check_table(report["success_metrics"])
