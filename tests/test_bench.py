@@ -159,11 +159,15 @@ def test_each_peer_gets_the_same_requests_and_its_rows_and_ratios(peer_run, name
     (["--chaos"], "--chaos needs --local-cluster"),
     (["--peer", "dead=http://127.0.0.1:9"], "peer dead at http://127.0.0.1:9 does not answer"),
     (["--rate", "0"], "--rate must be > 0"),
+    (["--workload", "{hot}"], "line 1: 'temperature' must be a number >= 0, got \"hot\""),
+    (["--peer-model", "llama=llama3"], "'llama' is not a model of"),
 ])
 def test_bad_input_is_named_before_any_load(tmp_path, capsys, argv, message):
     (tmp_path / "bad.jsonl").write_text('{"model": "qwen", "prompt": "hi", "max_tokens": 4}\n{"model": qwen}\n')
     (tmp_path / "unknown.jsonl").write_text('{"model": "llama3", "prompt": "hi", "max_tokens": 4}\n')
-    argv = [a.format(jsonl=tmp_path / "bad.jsonl", unknown_model=tmp_path / "unknown.jsonl") for a in argv]
+    (tmp_path / "hot.jsonl").write_text('{"model": "qwen", "prompt": "hi", "max_tokens": 4, "temperature": "hot"}\n')
+    argv = [a.format(jsonl=tmp_path / "bad.jsonl", unknown_model=tmp_path / "unknown.jsonl", hot=tmp_path / "hot.jsonl")
+            for a in argv]
     rc = _bench("--config", ROOT / "config_current.json", "--out", tmp_path / "out", *argv)
     assert rc == 2
     assert message in capsys.readouterr().err

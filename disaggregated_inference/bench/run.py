@@ -39,6 +39,10 @@ def prepare(options: BenchOptions) -> Prepared:
         cfg.find_server(options.chaos_server)
     workload = load_workload(options.workload, cfg, options.max_tokens, options.seed, options.notebooks,
                              options.rubric)
+    for key in options.peer_models:
+        if key not in cfg.models:
+            raise ConfigError(f"--peer-model {key}=...: {key!r} is not a model of {cfg.source} "
+                              f"({', '.join(cfg.models)})", field="--peer-model")
     timeout = float(cfg.client.get("decode_timeout", 180.0))
     peers = [peer_endpoint(spec, cfg, options.peer_models, timeout) for spec in options.peers]
     for peer in peers:

@@ -182,8 +182,13 @@ def jsonl_workload(path, config, max_tokens: int | None = None) -> Workload:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ConfigError(f"{where}: 'max_tokens' must be a positive integer, got {json.dumps(n)}",
                               field="--workload")
-        kwargs = {"model": model, "max_tokens": n, "temperature": float(item.get("temperature", 0.0)),
-                  "seed": int(item.get("seed", number))}
+        temperature, seed = item.get("temperature", 0.0), item.get("seed", number)
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
+            raise ConfigError(f"{where}: 'temperature' must be a number >= 0, got {json.dumps(temperature)}",
+                              field="--workload")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ConfigError(f"{where}: 'seed' must be an integer, got {json.dumps(seed)}", field="--workload")
+        kwargs = {"model": model, "max_tokens": n, "temperature": float(temperature), "seed": seed}
         kwargs.update({k: item[k] for k in ("prompt", "messages", "system") if k in item})
         units.append(Unit((BenchRequest(0, model, _cap(kwargs, max_tokens), source=f"line {number}"),),
                           f"line {number}"))
