@@ -80,11 +80,11 @@ class Phase:
     """One phase of load on one endpoint (``run()`` returns its ``PhaseResult``)."""
 
     def __init__(self, endpoint, units, shape: LoadShape, *, side: str, stage: str, phase: int, seed: int = 0,
-                 grace_s: float = 30.0, progress=None, on_sample=None, stop: threading.Event | None = None):
+                 grace_s: float = 30.0, progress=None, stop: threading.Event | None = None):
         self.endpoint, self.units, self.shape = endpoint, iter(units), shape
         self.side, self.stage, self.phase = side, stage, phase
         self.rng = random.Random(f"{seed}:{stage}:{phase}")
-        self.grace_s, self.progress, self.on_sample = grace_s, progress, on_sample
+        self.grace_s, self.progress = grace_s, progress
         self.stop = stop or threading.Event()
         self.lock = threading.Lock()
         self.sending_over = threading.Event()
@@ -94,7 +94,7 @@ class Phase:
         self.pause_after_failure_s = 0.2
 
     # -- what one request does ------------------------------------------------------------------------
-    def _send(self, request: BenchRequest) -> None:
+    def _send(self, request: BenchRequest) -> Sample:
         sample = Sample(request, self.side, self.stage, self.phase, time.perf_counter())
         with self.lock:
             self.result.samples.append(sample)
@@ -108,18 +108,19 @@ class Phase:
         with self.lock:
             if sample.timing is None:  # not already cut
                 sample.timing, sample.finished = timing, time.perf_counter()
-        if self.on_sample is not None:
-            self.on_sample(sample)
+        return sample
 
-    def _send_unit(self, unit: Unit) -> None:
+    def _send_unit(self, unit: Unit) -> list[Sample]:
         if len(unit.requests) == 1:
-            self._send(unit.requests[0])
-            return
-        threads = [threading.Thread(target=self._send, args=(r,), daemon=True) for r in unit.requests]
+            return [self._send(unit.requests[0])]
+        samples: list[Sample] = []
+        threads = [threading.Thread(target=lambda r=r: samples.append(self._send(r)), daemon=True)
+                   for r in unit.requests]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        return samples
 
     # -- when to send ---------------------------------------------------------------------------------
     def _next_unit(self) -> Unit | None:
@@ -145,11 +146,7 @@ class Phase:
             unit = self._next_unit()
             if unit is None:
                 return
-            before = len(self.result.samples)
-            self._send_unit(unit)
-            with self.lock:
-                failed = any(not s.ok for s in self.result.samples[before:] if s.timing is not None)
-            if failed:  # a caller that got an error does not retry in a tight loop
+            if not all(s.ok for s in self._send_unit(unit)):  # a caller that got an error does not retry at once
                 self.stop.wait(self.pause_after_failure_s)
 
     def _spawn(self, target, *args) -> None:
