@@ -18,6 +18,9 @@ On a local cluster of its own (two SmolLM2 prefill servers, one decode server):
 4. ``fallback``: the last prefill server is killed; reports the time to the
    first answer served decode-only.
 
+The load is ``disagg bench``'s (``BackgroundLoad`` of disaggregated_inference/bench/load.py: streamed requests
+through the client, each timed by bench/measure.py), around the faults injected here.
+
     .venv/bin/python benchmarks/failover.py --json
     .venv/bin/python benchmarks/failover.py --quick --json   # seconds: tiny model, 3 s of load, short windows
 """
@@ -26,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -35,6 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import quick  # noqa: E402
+from disaggregated_inference.bench.endpoints import ClientEndpoint  # noqa: E402
+from disaggregated_inference.bench.load import BackgroundLoad  # noqa: E402
+from disaggregated_inference.bench.workloads import BenchRequest, Unit  # noqa: E402
 from disaggregated_inference.client import DisaggregatedClient, FallbackWarning  # noqa: E402
 from disaggregated_inference.ops.cluster import LocalCluster  # noqa: E402
 from tests.faults import freeze, thaw  # noqa: E402
@@ -55,46 +60,38 @@ def cluster_config(threads: int, tiny: bool = False, progress_timeout: float = 5
     }
 
 
-FAILED_PAUSE = 0.2  # seconds a load thread waits after a failed request
+def _requests():
+    """Requests of two tokens, each with its own prompt, for as long as the load runs."""
+    i = 0
+    while True:
+        yield Unit((BenchRequest(i, "qwen", {"model": "qwen", "prompt": f"Request {i}: say OK.", "max_tokens": 2}),))
+        i += 1
 
 
-class Load:
-    """Requests from several threads until stopped (a thread pauses ``FAILED_PAUSE`` after a failure); every
-    outcome recorded with its time."""
+class Load(BackgroundLoad):
+    """The bench's load (disaggregated_inference/bench/load.py) through this client from several threads until
+    the ``with`` block ends (a sender pauses after a failure); every outcome recorded with its times."""
 
     def __init__(self, client, threads: int):
-        self.client, self.n = client, threads
-        self.stop = threading.Event()
-        self.lock = threading.Lock()
-        self.outcomes = []  # (start, end, ok, method, prefill_server, error)
-
-    def _worker(self, k: int):
-        i = 0
-        while not self.stop.is_set():
-            started = time.perf_counter()
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", FallbackWarning)
-                    _, m = self.client.generate(model="qwen", prompt=f"Worker {k} request {i}: say OK.", max_tokens=2)
-                row = (started, time.perf_counter(), True, m["method"], m["prefill_server"], None)
-            except Exception as exc:  # counted, never lost
-                row = (started, time.perf_counter(), False, None, None, f"{type(exc).__name__}: {exc}")
-            with self.lock:
-                self.outcomes.append(row)
-            i += 1
-            if not row[2]:
-                self.stop.wait(FAILED_PAUSE)  # a caller that got an error does not retry in a tight loop
+        super().__init__(ClientEndpoint(client=client), _requests(), threads, stage="failover")
 
     def __enter__(self):
-        self.threads = [threading.Thread(target=self._worker, args=(k,)) for k in range(self.n)]
-        for t in self.threads:
-            t.start()
-        return self
+        self._quiet = warnings.catch_warnings()  # the fallbacks are what is measured: no warning for each
+        self._quiet.__enter__()
+        warnings.simplefilter("ignore", FallbackWarning)
+        return super().__enter__()
 
     def __exit__(self, *exc):
-        self.stop.set()
-        for t in self.threads:
-            t.join()
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._quiet.__exit__(*exc)
+
+    @property
+    def outcomes(self) -> list:
+        """(start, end, ok, method, prefill_server, error) of every request answered or failed."""
+        return [(s.sent_at, s.finished, s.ok, s.timing.metrics.get("method"), s.timing.metrics.get("prefill_server"),
+                 s.timing.error) for s in self.samples]
 
 
 def load_of(client, threads: int) -> Load:

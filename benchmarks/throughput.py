@@ -35,7 +35,7 @@ Prints one JSON object (``--json``) or a table. Measured in one run, so ratios c
   ``targets`` divides the latter at 8 by the measured rate at 1). Every request streams
   (``DisaggregatedClient.stream``), and each level also carries ``serving``: TTFT, TPOT, ITL and
   E2EL (mean, median, std, p99) and goodput at the SLOs given with ``--slo``, with the definitions
-  and names of ``vllm bench serve`` (serving_metrics.py), timed on this client's clock;
+  and names of ``vllm bench serve`` (disaggregated_inference/bench/measure.py), timed on this client's clock;
   ``--detailed`` adds every request's figures (``requests_detail``).
 
     .venv/bin/python benchmarks/throughput.py --json --slo ttft:2000 --slo tpot:100
@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import quick  # noqa: E402
-import serving_metrics  # noqa: E402
+from disaggregated_inference.bench import measure as serving_metrics  # noqa: E402
 from disaggregated_inference.client import DisaggregatedClient  # noqa: E402
 from disaggregated_inference.ops.cluster import LocalCluster  # noqa: E402
 

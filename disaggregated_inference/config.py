@@ -26,7 +26,10 @@ DEFAULT_CONFIG_FILE = "config_current.json"
 # What a model entry carries besides its engine's options (backends/options.py), and what a server
 # entry carries besides the options it overrides for that machine ("model" names a model entry).
 MODEL_ENTRY_KEYS = {"aliases": list}
-SERVER_ENTRY_KEYS = {"name": str, "host": str, "port": int, "model": str, "data_url": str}
+SERVER_ENTRY_KEYS = {"name": str, "host": str, "port": int, "model": str, "data_url": str,
+                     # the machine's draw and its hardware's cost (disagg bench: an energy estimate where the
+                     # machine has no counter, and the cost per request); one machine's servers count it once
+                     "power_watts": (int, float), "cost_per_hour": (int, float)}
 CLIENT_DEFAULTS = {
     # the caller's deadlines: for a prefill (queueing included), and for a decode's whole answer (a
     # stream's: until its first piece); running out blames no server that was still working (watch.py)
@@ -195,6 +198,8 @@ class ServerEntry:
     model: str  # the key of a model entry
     settings: dict = field(default_factory=dict)  # model settings merged with this server's overrides
     data_url: str | None = None  # where peers fetch KV bundles, if not http://host:port
+    power_watts: float | None = None  # the machine's draw under load, watts (disagg bench's estimate)
+    cost_per_hour: float | None = None  # the machine's hardware, amortised, per hour (disagg bench)
 
     @property
     def url(self) -> str:
@@ -372,6 +377,9 @@ def from_dict(data: dict, source: str = "<dict>") -> ClusterConfig:
                         required=("host", "port", "model"))
             if not 0 < raw["port"] < 65536:
                 raise ConfigError(f"{source}: {where}.port must be 1..65535, got {raw['port']}", field=f"{where}.port")
+            for key in ("power_watts", "cost_per_hour"):
+                if key in raw and not raw[key] >= 0:
+                    raise ConfigError(f"{source}: {where}.{key} must be >= 0, got {raw[key]}", field=f"{where}.{key}")
             if raw["model"] not in models:
                 raise ConfigError(f"{source}: {where}.model {raw['model']!r} is not a key of models "
                                   f"({', '.join(sorted(models))})", field=f"{where}.model")
@@ -392,8 +400,13 @@ def from_dict(data: dict, source: str = "<dict>") -> ClusterConfig:
             # the model entry's options for another engine do not apply to a server that runs this one
             settings = {k: v for k, v in settings.items() if k in options.declared(engine[1])}
             entries[role].append(ServerEntry(role, name, raw["host"], raw["port"], raw["model"], settings,
-                                             raw.get("data_url")))
+                                             raw.get("data_url"), _number(raw.get("power_watts")),
+                                             _number(raw.get("cost_per_hour"))))
     return ClusterConfig(models, entries["prefill"], entries["decode"], client, server, source, gateway)
+
+
+def _number(value) -> float | None:
+    return None if value is None else float(value)
 
 
 def find(path: str | os.PathLike) -> Path:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HELPERS = {"quick", "serving_metrics"}  # modules the benchmarks share, not benchmarks
+HELPERS = {"quick"}  # modules the benchmarks share, not benchmarks
 
 # the SLOs throughput.py's quick run is given: goodput is checked against its per-request figures
 SLOS = {"ttft": 2000.0, "tpot": 100.0}

@@ -41,6 +41,14 @@ def test_the_seeds_shape_loads_with_default_aliases(tmp_path):
         cfg.resolve_model("llama3")
 
 
+def test_a_servers_power_and_cost_are_typed_and_kept_out_of_its_model_settings(tmp_path):
+    data = json.loads(json.dumps(SEEDS_SHAPE))
+    data["decode_servers"][0].update(power_watts=180, cost_per_hour=0.35)
+    entry = config.load(write(tmp_path, data)).decode_servers[0]
+    assert (entry.power_watts, entry.cost_per_hour) == (180.0, 0.35)
+    assert "power_watts" not in entry.settings and "cost_per_hour" not in entry.settings
+
+
 @pytest.mark.parametrize("mutate, message", [
     (lambda d: d["prefill_servers"][0].update(port="8000"), r"prefill_servers\[0\]\.port must be int"),
     (lambda d: d["prefill_servers"][0].update(port=70000), r"port must be 1\.\.65535"),
@@ -54,6 +62,8 @@ def test_the_seeds_shape_loads_with_default_aliases(tmp_path):
     (lambda d: d.update(models={"qwen": {"backend": "transformers", "device": "gpu"}, "gpt-oss": {}}),
      r"models\.qwen\.device must be auto, cpu, cuda, cuda:N or mps, got \"gpu\""),
     (lambda d: d["prefill_servers"][0].update(device="cuda:x"), r"prefill_servers\[0\]\.device must be auto"),
+    (lambda d: d["decode_servers"][0].update(power_watts="150W"), r"decode_servers\[0\]\.power_watts must be int or"),
+    (lambda d: d["decode_servers"][1].update(cost_per_hour=-0.5), r"decode_servers\[1\]\.cost_per_hour must be >= 0"),
 ])
 def test_bad_files_get_one_message_naming_file_and_key(tmp_path, mutate, message):
     data = json.loads(json.dumps(SEEDS_SHAPE))

@@ -1,24 +1,11 @@
-"""benchmarks/serving_metrics.py: vLLM's serving-metric definitions on hand-made timestamps."""
+"""disaggregated_inference/bench/measure.py: vLLM's serving-metric definitions on hand-made timestamps."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-
-def _load():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serving_metrics.py"
-    spec = importlib.util.spec_from_file_location("serving_metrics", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
-
-
-sm = _load()
+from disaggregated_inference.bench import measure as sm
 
 
 def timing(started, pieces, ended, output_tokens, prompt_tokens=10):

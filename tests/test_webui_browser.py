@@ -68,7 +68,8 @@ def webui(tiny_cluster, tmp_path_factory):
     with open(log_path, "wb") as log:
         # its own session: the launcher and the streamlit it starts form one process group, ours to stop
         proc = subprocess.Popen([sys.executable, "-m", "disaggregated_inference.webui", "--config", str(config_file),
-                                 "--host", "127.0.0.1", "--out", str(tmp_path / "out")],
+                                 "--host", "127.0.0.1", "--out", str(tmp_path / "out"),
+                                 "--bench-out", str(tmp_path / "bench")],
                                 cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = _wait_for_url(proc, log_path)
@@ -176,8 +177,10 @@ def test_grade_a_notebook_then_read_its_requests_on_the_dashboard(sync_playwrigh
         assert page.get_by_test_id("stMetric").filter(has_text="Submissions").inner_text().split()[-1] == "1"
         _screenshot(page, tmp_path / "grade-page.png")
 
+        bench = _run_bench(out.parent)  # disagg bench's last report, shown on the dashboard
         page.get_by_role("link", name="Cluster dashboard").click()
         _check_dashboard(page, out / "good_sales_analysis.json")
+        _check_bench_report(page, bench)
         _screenshot(page, tmp_path / "dashboard.png")
 
 
@@ -258,6 +261,29 @@ def _chart_points(page, title: str) -> list[dict]:
         if all(": " in part for part in parts):
             points.append(dict(part.split(": ", 1) for part in parts))
     return points
+
+
+def _run_bench(folder: Path) -> dict:
+    """A short ``disagg bench`` on the cluster the web interface uses, into the launcher's --bench-out."""
+    from disaggregated_inference.ops import cli
+
+    assert cli.main(["bench", "--config", str(folder / "cluster.json"), "--workload", "chat", "--requests", "4",
+                     "--max-tokens", "4", "--efficiency-groups", "0", "--out", str(folder / "bench")]) == 0
+    return json.loads((folder / "bench" / "bench.json").read_text())
+
+
+def _check_bench_report(page, report: dict) -> None:
+    """The dashboard's "Last bench report": every success metric with the value bench.json has."""
+    from disaggregated_inference.bench.table import fmt
+
+    page.get_by_text("Last bench report").wait_for(timeout=60_000)
+    table = page.get_by_test_id("stTable").filter(has_text="e2e_latency_p95_s")
+    table.wait_for(timeout=60_000)
+    text = table.inner_text()
+    for row in report["success_metrics"]:
+        assert row["name"] in text, text
+    throughput = next(r for r in report["success_metrics"] if r["name"] == "throughput_req_s")
+    assert fmt(throughput["value"], throughput["unit"]) in text, text
 
 
 def _check_dashboard(page, report_path: Path) -> None:

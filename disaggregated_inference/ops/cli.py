@@ -273,6 +273,13 @@ def cmd_top(args) -> int:
     return top.run(cfg, interval=args.interval, window=args.window, once=args.once)
 
 
+def cmd_bench(args) -> int:
+    from ..bench.options import from_args
+    from ..bench.run import main as bench
+
+    return bench(from_args(args), _say, print)
+
+
 def cmd_models(args) -> int:
     from ..backends.gguf import BUILTIN
 
@@ -358,6 +365,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--once", action="store_true", help="print one frame (figures since the servers started) "
                                                      "and exit; 1 when a server is not up")
     p.set_defaults(func=cmd_top)
+
+    p = with_config(sub.add_parser("bench", help="measure a cluster against the design documents' success metrics "
+                                                 "(seed 004), beside peers; writes bench.json, bench.md, charts"))
+    from ..bench.options import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("models", help="list the built-in (packaged) models")
     p.set_defaults(func=cmd_models)

@@ -13,8 +13,9 @@ import time
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
-from . import resources
+from . import energy, resources
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 SPEED_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000)
@@ -23,6 +24,21 @@ SPEED_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000
 def kv_source(url: str) -> str:
     """The ``source`` label of a KV pull: the prefill server's host:port as the decode server reached it."""
     return urlsplit(url).netloc or "unknown"
+
+
+class EnergyCollector:
+    """``disagg_energy_joules_total{device=...}``: the machine's energy counters (server/energy.py), read when
+    scraped; no sample where the machine has none (``/health``'s ``energy.reason`` says why)."""
+
+    def describe(self):
+        return [CounterMetricFamily("disagg_energy_joules", "")]
+
+    def collect(self):
+        family = CounterMetricFamily("disagg_energy_joules", "Energy the machine's devices used (Zeus: NVML, RAPL, "
+                                     "Apple Silicon), joules since the counter started", labels=["device"])
+        for device, joules in (energy.snapshot()["joules"] or {}).items():
+            family.add_metric([device], joules)
+        yield family
 
 
 class ServerMetrics:
@@ -98,6 +114,7 @@ class ServerMetrics:
                 lambda: leases.stats()["held"])
             Gauge("disagg_lease_bytes", "Bytes of KV held under leases", registry=r).set_function(
                 lambda: leases.stats()["bytes"])
+        r.register(EnergyCollector())
         self._resources = {}
         for name, doc in (("process_rss_bytes", "Resident memory of the server process"),
                           ("process_cpu_pct", "CPU use of the server process, percent"),

@@ -24,7 +24,7 @@ from ..errors import (BadRequest, DisaggError, ModelNotFound, PayloadTooLarge, R
                       UnsupportedMediaType)
 from ..kv.receive import socket_buffer_in_effect
 from ..tuning import copy_tunable_in_effect
-from . import resources  # psutil: imported with the app (metrics.py samples it for /metrics too)
+from . import energy, resources  # psutil: imported with the app (metrics.py samples it for /metrics too)
 from . import admission, cores
 from .metrics import ServerMetrics
 from .parse import Limits, parse_json
@@ -164,6 +164,7 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
             # the last probe of each prefill server's data path (disagg doctor), by host:port
             body["kv_probes"] = dict(st.metrics.probes)
         body["resources"] = resources.snapshot()
+        body["energy"] = energy.snapshot()  # joules by device, or why none (server/energy.py)
         return json_response(body, 200 if body["status"] in ("healthy", "loading") else 503)
 
     return app

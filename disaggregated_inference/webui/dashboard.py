@@ -20,7 +20,7 @@ from disaggregated_inference.errors import DisaggError
 from disaggregated_inference.observe import figures
 from disaggregated_inference.observe.top import pair
 from disaggregated_inference.observe.units import count, gbps, seconds, share, tokens_per_second
-from disaggregated_inference.webui import charts, health, state
+from disaggregated_inference.webui import bench_view, charts, health, state
 
 REFRESH_SECONDS = 5
 WINDOW_S = 900  # what the charts and the windowed figures cover: the last 15 minutes
@@ -273,6 +273,7 @@ def main() -> None:
     with st.sidebar:
         health.sidebar_health(client)
     live(client)
+    bench_view.show()
 
 
 main()

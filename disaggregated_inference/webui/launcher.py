@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address of the web interface (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port of the web interface (default: a free one)")
     p.add_argument("--out", default=None, help="folder for reports and uploads (default: grades/webui)")
+    p.add_argument("--bench-out", default=None, help="the --out folder of disagg bench: the dashboard shows its last "
+                                                    "report (default: bench-report)")
     return p
 
 
@@ -75,6 +77,8 @@ def main(argv=None) -> int:
         env[state.CONFIG_ENV] = str(Path(config_file).resolve())
         if args.out:
             env[state.OUT_ENV] = args.out
+        if args.bench_out:
+            env[state.BENCH_ENV] = str(Path(args.bench_out).resolve())
         # `streamlit run` executes app.py as a script: make this package importable from it
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))

@@ -24,6 +24,7 @@ from ..grading.report import render_markdown
 CONFIG_ENV = "DISAGG_GRADER_CONFIG"
 EXAMPLES_ENV = "DISAGG_GRADER_EXAMPLES"
 OUT_ENV = "DISAGG_GRADER_OUT"
+BENCH_ENV = "DISAGG_BENCH_OUT"  # disagg bench's --out: the dashboard shows its last report
 
 
 def config_path() -> str:
@@ -50,6 +51,12 @@ def example_rubrics() -> list[Path]:
 
 def out_dir() -> Path:
     return Path(os.environ.get(OUT_ENV) or "grades/webui")
+
+
+def bench_report_file() -> Path:
+    """The last ``disagg bench`` report: bench.json in ``$DISAGG_BENCH_OUT`` (the launcher's ``--bench-out``),
+    else in ./bench-report (the bench's default ``--out``)."""
+    return Path(os.environ.get(BENCH_ENV) or "bench-report") / "bench.json"
 
 
 @st.cache_resource(show_spinner=False)

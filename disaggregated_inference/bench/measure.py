@@ -74,13 +74,19 @@ class RequestTiming:
                 "prompt_tokens": self.prompt_tokens}
 
 
-def time_stream(events, started: float | None = None) -> RequestTiming:
+def time_stream(events, started: float | None = None, cut=None) -> RequestTiming:
     """Time one streamed request: ``events`` yields text pieces (str) and ends with the metrics dict,
-    as ``DisaggregatedClient.stream`` does. An exception is recorded in the timing, never lost."""
+    as ``DisaggregatedClient.stream`` does. An exception is recorded in the timing, never lost.
+    ``cut()``, if given, is asked after each piece: a reason (str) ends the stream there, as failed."""
     timing = RequestTiming(started=time.perf_counter() if started is None else started)
     try:
         for event in events:
             now = time.perf_counter()
+            reason = cut() if cut is not None else None
+            if reason:
+                timing.error = reason
+                getattr(events, "close", lambda: None)()
+                break
             if isinstance(event, dict):
                 timing.ended, timing.metrics = now, event
                 timing.output_tokens = int(event.get("completion_tokens") or 0)
@@ -94,6 +100,18 @@ def time_stream(events, started: float | None = None) -> RequestTiming:
     elif timing.error is None and not timing.pieces:
         timing.error = "no piece streamed before the final line"
     return timing
+
+
+def handoff_parts(metrics: dict) -> dict:
+    """A request's handoff, from the metrics the client returned: ``method``, and the seconds of its parts:
+    ``prefill_s`` (on the prefill server), ``kv_transfer_s`` (the pull; streamed, the part left after the
+    prefill: ``kv_exposed_time``) and ``decode_s`` (on the decode server). None where the endpoint does not say."""
+    transfer = metrics.get("kv_exposed_time") if metrics.get("handoff_mode") == "streamed" else None
+    if transfer is None:
+        transfer = metrics.get("kv_transfer_time")
+    return {"method": metrics.get("method"), "prefill_s": metrics.get("prefill_time"),
+            "kv_transfer_s": transfer, "decode_s": metrics.get("decode_time"),
+            "handoff_mode": metrics.get("handoff_mode")}
 
 
 def parse_slo(text: str) -> tuple[str, float]:
