@@ -280,7 +280,7 @@ def test_every_handoff_carries_a_canary_and_an_unloaded_one_matches_bit_for_bit(
             assert m["method"] == "kv_handoff", m
             assert m["canary"] == "passed" and m["canary_top1_match"] is True, m
             # one request at a time: both sides evaluate the token alone, so the exact tolerance applies
-            # (not to Gemma's sliding window: backends/llama_cpp.py, _restores_exactly)
+            # (not to Gemma's sliding window: backends/llama_handoff.py, _restores_exactly)
             assert m["canary_divergence"] <= 1e-4, m
             assert m["canary_tolerance"] == pytest.approx(1e-4 if model == "qwen" else 0.5), m
             assert m["canary_ms"] > 0

@@ -9,7 +9,7 @@ import pytest
 
 from disaggregated_inference.backends import ModelSettings, create
 from disaggregated_inference.backends.base import Prompt, Sampling
-from disaggregated_inference.backends.llama_cpp import PREFIX_MIN_TOKENS
+from disaggregated_inference.backends.llama_slots import PREFIX_MIN_TOKENS
 
 from .conftest import THREADS
 
@@ -90,7 +90,7 @@ def test_a_short_last_chunk_is_evaluated_whole_and_the_state_is_still_bit_identi
     (4000, 5000, 4000), # [4000, 4096) 96 rows, then the cache-less chunks
 ])
 def test_the_reuse_keeps_every_row_in_a_chunk_of_its_cache_less_kind(shared, m, reuse):
-    from disaggregated_inference.backends.llama_cpp import _aligned_reuse
+    from disaggregated_inference.backends.llama_slots import _aligned_reuse
 
     assert _aligned_reuse(min(shared, m - PREFIX_MIN_TOKENS), m, 512) == reuse
 
