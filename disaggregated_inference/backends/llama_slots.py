@@ -88,10 +88,6 @@ class Slots:
         if self._threads is not None:
             self._threads = threads
 
-    def cached_prefixes(self) -> dict[int, int]:
-        """Free slot -> how many prompt tokens of KV it holds for reuse (tests, diagnostics)."""
-        return {seq: len(held) for seq, held in sorted(self._cached.items())}
-
     # -- the batch --------------------------------------------------------------------------------
 
     def evaluate(self, evals: list[Eval]) -> int:
