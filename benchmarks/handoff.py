@@ -62,6 +62,7 @@ import quick  # noqa: E402
 from disaggregated_inference.kv import buffers  # noqa: E402
 from disaggregated_inference.kv import bundle  # noqa: E402
 from disaggregated_inference.kv import send as sender  # noqa: E402
+from disaggregated_inference.testing.bundles import read_bundle  # noqa: E402
 
 FILLER = ("The quarterly sales report lists revenue by region, product line and month, "
           "with notes on returns, discounts and the marketing campaigns that ran. ")
@@ -212,7 +213,7 @@ def measure_memory(tokens_wanted: int, tokens_per_repeat: float, threads: int, m
     thread = threading.Thread(target=send)  # a second thread stands in for the network peer
     thread.start()
     # as a decode server receives: with the few bytes of room its slots' stream conversion needs
-    got_header, tokens, payload = bundle.read_bundle(
+    got_header, tokens, payload = read_bundle(
         b.makefile("rb"), allocate=buffers.with_room(buffers.allocate, *importer.receive_room()))
     thread.join()
     received = Received(got_header.kind, tokens, payload, got_header.fingerprint, got_header.meta)

@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import quick  # noqa: E402
-from disaggregated_inference.kv import bundle  # noqa: E402
+from disaggregated_inference.testing.bundles import read_bundle  # noqa: E402
 
 FILLER = ("The quarterly sales report lists revenue by region, product line and month, "
           "with notes on returns, discounts and the marketing campaigns that ran. ")
@@ -193,7 +193,7 @@ def import_bundle(args) -> dict:
     from disaggregated_inference.backends.gguf import BUILTIN
     from disaggregated_inference.kv import fingerprint as fp
 
-    header, tokens, payload = bundle.read_bundle(io.BytesIO(Path(args.import_bundle).read_bytes()))
+    header, tokens, payload = read_bundle(io.BytesIO(Path(args.import_bundle).read_bytes()))
     theirs = header.fingerprint
     model = args.model_given or next((name for name in BUILTIN if theirs.get("model_file", "").lower().startswith(
         {"smollm2": "smollm2", "gemma3-270m": "gemma-3-270m"}[name])), None)

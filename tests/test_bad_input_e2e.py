@@ -10,6 +10,7 @@ import io
 import pytest
 
 from disaggregated_inference.kv import bundle
+from disaggregated_inference.testing.bundles import read_bundle, to_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -137,9 +138,9 @@ def test_forged_fingerprint_with_a_foreign_layout_is_refused_by_llama_cpp(
     """A bundle that claims the right model but holds another model's KV: llama.cpp's reader refuses it."""
     qwen_fp = http.post(f"{tiny_prefill}/prefill", json={"prompt": "x"}).json()["fingerprint"]
     _, raw = real_bundle(http, tiny_urls["local-prefill-gpt-oss"])
-    header, tokens, payload = bundle.read_bundle(io.BytesIO(raw))
+    header, tokens, payload = read_bundle(io.BytesIO(raw))
     header.fingerprint = qwen_fp
-    url = bytes_server("/kv/forged", bundle.to_bytes(header, tokens, payload))
+    url = bytes_server("/kv/forged", to_bytes(header, tokens, payload))
     assert_error(http.post(f"{tiny_decode}/decode", json={"kv": {"url": url, "handle": "forged"}}),
                  422, "bad_bundle", "kv", "llama.cpp refused")
 

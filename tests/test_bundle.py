@@ -7,6 +7,7 @@ import time
 import pytest
 
 from disaggregated_inference.kv import bundle
+from disaggregated_inference.testing.bundles import read_bundle, to_bytes, write_bundle
 
 
 def make(payload: bytes = None, tokens=(1, 2, 3, 40000), kind=bundle.KIND_LLAMA_SEQ_STATE):
@@ -20,8 +21,8 @@ def make(payload: bytes = None, tokens=(1, 2, 3, 40000), kind=bundle.KIND_LLAMA_
 
 def test_round_trip_preserves_header_tokens_and_payload():
     header, tokens, payload = make()
-    raw = bundle.to_bytes(header, tokens, payload)
-    got_header, got_tokens, got_payload = bundle.read_bundle(io.BytesIO(raw))
+    raw = to_bytes(header, tokens, payload)
+    got_header, got_tokens, got_payload = read_bundle(io.BytesIO(raw))
     assert got_header == header
     assert got_tokens == tokens
     assert bytes(got_payload) == payload
@@ -35,62 +36,62 @@ def test_payload_is_framed_in_chunks_without_copying_the_source():
     assert len(data_pieces) == -(-len(payload) // 4096)
     assert all(len(p) <= 4096 for p in data_pieces)
     out = io.BytesIO()
-    bundle.write_bundle(out, header, tokens, payload, chunk_size=4096)
+    write_bundle(out, header, tokens, payload, chunk_size=4096)
     assert b"".join(bytes(p) for p in pieces) == out.getvalue()
     assert bundle.encoded_length(header, chunk_size=4096) == len(out.getvalue())
 
 
 def test_empty_payload_token_id_bundle_round_trips():
     header, tokens, payload = make(payload=b"", kind=bundle.KIND_TOKEN_IDS)
-    got_header, got_tokens, got_payload = bundle.read_bundle(io.BytesIO(bundle.to_bytes(header, tokens, payload)))
+    got_header, got_tokens, got_payload = read_bundle(io.BytesIO(to_bytes(header, tokens, payload)))
     assert got_header.kind == bundle.KIND_TOKEN_IDS and got_tokens == tokens and got_payload == bytearray()
 
 
 @pytest.mark.parametrize("cut", [3, 20, 200, 5000, 1])
 def test_truncated_bundle_is_rejected_with_where_it_stopped(cut):
     header, tokens, payload = make(payload=os.urandom(10000))
-    raw = bundle.to_bytes(header, tokens, payload)
+    raw = to_bytes(header, tokens, payload)
     with pytest.raises(bundle.BundleFormatError, match="truncated"):
-        bundle.read_bundle(io.BytesIO(raw[: len(raw) - cut] if cut != 3 else raw[:3]))
+        read_bundle(io.BytesIO(raw[: len(raw) - cut] if cut != 3 else raw[:3]))
 
 
 def test_corrupted_payload_byte_fails_the_checksum():
     header, tokens, payload = make(payload=os.urandom(10000))
-    raw = bytearray(bundle.to_bytes(header, tokens, payload))
+    raw = bytearray(to_bytes(header, tokens, payload))
     raw[len(raw) - 100] ^= 0xFF  # inside the last data frame
     with pytest.raises(bundle.BundleFormatError, match="checksum mismatch"):
-        bundle.read_bundle(io.BytesIO(bytes(raw)))
+        read_bundle(io.BytesIO(bytes(raw)))
 
 
 def test_foreign_bytes_and_other_versions_are_refused():
     with pytest.raises(bundle.BundleFormatError, match="bad magic"):
-        bundle.read_bundle(io.BytesIO(b"GGUF" + b"\0" * 100))
+        read_bundle(io.BytesIO(b"GGUF" + b"\0" * 100))
     header, tokens, payload = make(payload=b"xyz")
-    raw = bytearray(bundle.to_bytes(header, tokens, payload))
+    raw = bytearray(to_bytes(header, tokens, payload))
     struct.pack_into("<H", raw, 8, 99)
     with pytest.raises(bundle.BundleFormatError, match="version 99"):
-        bundle.read_bundle(io.BytesIO(bytes(raw)))
+        read_bundle(io.BytesIO(bytes(raw)))
 
 
 def test_payload_longer_than_declared_is_refused():
     header, tokens, payload = make(payload=b"abcdef")
     raw = bundle.encode_preamble(header, tokens) + b"D" + struct.pack("<I", 7) + b"abcdefg"
     with pytest.raises(bundle.BundleFormatError, match="longer than its header"):
-        bundle.read_bundle(io.BytesIO(raw))
+        read_bundle(io.BytesIO(raw))
 
 
 def test_error_frame_from_the_sender_is_raised_with_its_code():
     header, tokens, payload = make(payload=b"abcdef")
     raw = bundle.encode_preamble(header, tokens) + bundle.encode_error(7, "model unloaded")
     with pytest.raises(bundle.BundleRemoteError) as info:
-        bundle.read_bundle(io.BytesIO(raw))
+        read_bundle(io.BytesIO(raw))
     assert info.value.code == 7 and "model unloaded" in str(info.value)
 
 
 def test_payload_limit_is_enforced_before_allocating():
     header, tokens, payload = make(payload=b"x" * 1000)
     with pytest.raises(bundle.BundleFormatError, match="exceeds the limit"):
-        bundle.read_bundle(io.BytesIO(bundle.to_bytes(header, tokens, payload)), max_payload_bytes=999)
+        read_bundle(io.BytesIO(to_bytes(header, tokens, payload)), max_payload_bytes=999)
 
 
 def test_header_rejects_unknown_kind_and_bad_token_counts():
@@ -107,13 +108,13 @@ def test_one_large_frame_reads_like_many_and_a_damaged_byte_in_it_is_caught():
     header, tokens, payload = make(payload=os.urandom(9 * 1024 * 1024 + 5))  # over two reading pieces
     prefix, suffix = bundle.encode_single_frame(header, tokens)
     raw = prefix + payload + suffix
-    assert len(raw) == len(bundle.to_bytes(header, tokens, payload)) - 2 * 5  # two frame headers fewer
-    got_header, got_tokens, got_payload = bundle.read_bundle(io.BytesIO(raw))
+    assert len(raw) == len(to_bytes(header, tokens, payload)) - 2 * 5  # two frame headers fewer
+    got_header, got_tokens, got_payload = read_bundle(io.BytesIO(raw))
     assert got_header == header and got_tokens == tokens and bytes(got_payload) == payload
     damaged = bytearray(raw)
     damaged[len(prefix) + 8 * 1024 * 1024 + 1] ^= 0x01  # in the last piece of the frame
     with pytest.raises(bundle.BundleFormatError, match="checksum mismatch"):
-        bundle.read_bundle(io.BytesIO(bytes(damaged)))
+        read_bundle(io.BytesIO(bytes(damaged)))
 
 
 def test_a_payload_over_four_gib_does_not_pretend_to_fit_one_frame():
@@ -141,7 +142,7 @@ def test_a_large_payload_checksummed_on_threads_matches_the_plain_checksum():
 
 def test_a_large_bundle_arrives_before_its_checksum_is_done_and_the_check_still_catches_damage():
     header, tokens, payload = make(payload=os.urandom(bundle._RunningChecksum.THREADED_FROM + 12345))
-    raw = bundle.to_bytes(header, tokens, payload)
+    raw = to_bytes(header, tokens, payload)
     arrived = bundle.receive_bundle(io.BytesIO(raw))
     arrived.check()
     arrived.check()  # again: the same answer, at once
@@ -163,7 +164,7 @@ class SlowWire(io.BytesIO):
 
 @pytest.mark.parametrize("alongside", [True, False])
 def test_a_large_payload_is_checked_as_it_arrives_or_only_once_all_of_it_has(monkeypatch, alongside):
-    raw = bundle.to_bytes(*make(payload=os.urandom(bundle._RunningChecksum.THREADED_FROM + 1)))
+    raw = to_bytes(*make(payload=os.urandom(bundle._RunningChecksum.THREADED_FROM + 1)))
     src = SlowWire(raw)
     seen_at = []
     plain = bundle.payload_checksum

@@ -15,6 +15,7 @@ from disaggregated_inference.client import KV_LOST_CODES, DisaggregatedClient
 from disaggregated_inference.errors import BundleError, CanaryMismatch, ConfigError, from_body
 from disaggregated_inference.kv import bundle
 from disaggregated_inference.kv.canary import CanaryPolicy, compare, fingerprint, log_softmax
+from disaggregated_inference.testing.bundles import read_bundle, to_bytes
 
 from .conftest import cluster_config_dict
 
@@ -213,12 +214,12 @@ def canary_counts(http, decode_url: str) -> dict:
 def damaged_bundle(raw: bytes) -> bytes:
     """The bundle with its KV's last 1% zeroed (values of the last layer's latest cells) and its
     checksum recomputed: framing, sizes and CRC all pass; only the state is wrong."""
-    header, tokens, payload = bundle.read_bundle(io.BytesIO(raw))
+    header, tokens, payload = read_bundle(io.BytesIO(raw))
     payload = bytearray(payload)
     cut = len(payload) - len(payload) // 100
     payload[cut:] = bytes(len(payload) - cut)
     header.payload_crc32c = bundle.payload_checksum(payload)
-    return bundle.to_bytes(header, tokens, bytes(payload))
+    return to_bytes(header, tokens, bytes(payload))
 
 
 ROPE_BASE = 10000.0  # Llama 2's RoPE base; SmolLM2 was trained with 100,000 (its GGUF's llama.rope.freq_base)
@@ -252,14 +253,14 @@ def other_rope_base():
 def rope_bundle(backend, raw: bytes) -> bytes:
     """The bundle with its state replaced by the state of the same tokens that ``backend`` (another RoPE
     base) computes, and its checksum recomputed: header, canary, token ids and size are the real ones."""
-    header, tokens, payload = bundle.read_bundle(io.BytesIO(raw))
+    header, tokens, payload = read_bundle(io.BytesIO(raw))
     assert backend.fingerprint() == header.fingerprint  # the fingerprint cannot tell: forced through by design
     with backend.sequence() as seq:
         backend.logits(seq, tokens[:-1])  # what a prefill evaluates: all but the last token
         state = bytes(backend.export_state(seq))
     assert len(state) == len(payload) and state != bytes(payload)
     header.payload_crc32c = bundle.payload_checksum(state)
-    return bundle.to_bytes(header, tokens, state)
+    return to_bytes(header, tokens, state)
 
 
 @pytest.fixture(params=["zeroed-tail", "other-rope-base"])
@@ -280,7 +281,7 @@ def test_every_handoff_carries_a_canary_and_an_unloaded_one_matches_bit_for_bit(
             assert m["method"] == "kv_handoff", m
             assert m["canary"] == "passed" and m["canary_top1_match"] is True, m
             # one request at a time: both sides evaluate the token alone, so the exact tolerance applies
-            # (not to Gemma's sliding window: backends/llama_cpp.py, _restores_exactly)
+            # (not to Gemma's sliding window: backends/llama_handoff.py, _restores_exactly)
             assert m["canary_divergence"] <= 1e-4, m
             assert m["canary_tolerance"] == pytest.approx(1e-4 if model == "qwen" else 0.5), m
             assert m["canary_ms"] > 0

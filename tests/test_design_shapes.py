@@ -22,9 +22,9 @@ import pytest
 from disaggregated_inference import config
 from disaggregated_inference.client import DisaggregatedClient
 from disaggregated_inference.errors import BadRequest, ConfigError
-from disaggregated_inference.kv import bundle
 from disaggregated_inference.server import prefill
 from disaggregated_inference.server.parse import parse_decode
+from disaggregated_inference.testing.bundles import read_bundle
 
 from .test_ollama_backend import StubOllama, wait_loaded
 
@@ -151,7 +151,7 @@ def test_prefill_context_is_the_prompt_ids_and_seed_004_decode_recomputes_from_i
     pre = http.post(f"{tiny_prefill}/prefill", json={"prompt": PROMPT}).json()
     assert len(pre["context"]) == pre["prompt_tokens"]
     # the same ids as the KV bundle carries (read from the bundle itself)
-    _, bundle_ids, _ = bundle.read_bundle(io.BytesIO(http.get(pre["kv"]["url"]).content))
+    _, bundle_ids, _ = read_bundle(io.BytesIO(http.get(pre["kv"]["url"]).content))
     assert list(bundle_ids) == pre["context"]
 
     body = {"context": pre["context"], "prompt": PROMPT, "max_new_tokens": 12, "temperature": 0}

@@ -20,6 +20,7 @@ import pytest
 
 from disaggregated_inference.backends import ModelSettings, create
 from disaggregated_inference.backends.base import Eval, Prompt
+from disaggregated_inference.testing.bundles import read_bundle
 
 from .conftest import tiny_model_settings
 
@@ -153,11 +154,9 @@ def at_once(fn, items):
 
 def prefill_canary(http, url: str, prompt: str) -> dict:
     """The first token's top log-probabilities as the prefill server computed them (its canary)."""
-    from disaggregated_inference.kv import bundle
-
     pre = http.post(f"{url}/prefill", json={"prompt": prompt})
     assert pre.status_code == 200, pre.text
-    header, _, _ = bundle.read_bundle(io.BytesIO(http.get(pre.json()["kv"]["url"]).content))
+    header, _, _ = read_bundle(io.BytesIO(http.get(pre.json()["kv"]["url"]).content))
     return header.meta["canary"]
 
 

@@ -24,6 +24,8 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
+from disaggregated_inference.testing.bundles import read_bundle  # noqa: E402
+
 from .conftest import THREADS  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -141,10 +143,8 @@ def test_transformers_prefill_hands_over_halves_order_k_and_names_what_it_ran(ur
                         timeout=120)
     assert refused.status_code == 400 and refused.json()["field"] == "kv_kind"
     # the bundle itself: K in halves order with neox rope, as the in-process test measured
-    from disaggregated_inference.kv import bundle
-
     got = http.get(answer["kv"]["url"], timeout=60)
-    header, tokens, payload = bundle.read_bundle(io.BytesIO(got.content))
+    header, tokens, payload = read_bundle(io.BytesIO(got.content))
     meta = header.meta["neutral"]
     assert meta["head_dim_order"] == "halves" and meta["rope"]["style"] == "neox" and meta["dtype"] == "f32"
     assert header.meta["canary"]["engine"] == "transformers/cpu"

@@ -9,6 +9,7 @@ from disaggregated_inference.kv import bundle
 from disaggregated_inference.kv import receive as handoff
 from disaggregated_inference.kv.receive import KVRef
 from disaggregated_inference.errors import BundleError, NotFound
+from disaggregated_inference.testing.bundles import to_bytes
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sizes the buffer on Linux only")
 
@@ -16,7 +17,7 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="si
 def make_bundle(payload: bytes, tokens=(5, 6, 7)):
     header = bundle.BundleHeader(kind=bundle.KIND_LLAMA_SEQ_STATE, n_tokens=len(tokens), payload_bytes=len(payload),
                                  payload_crc32c=bundle.payload_checksum(payload), fingerprint={"model_sha256": "cd"})
-    return header, bundle.to_bytes(header, list(tokens), payload)
+    return header, to_bytes(header, list(tokens), payload)
 
 
 def receive_buffer(sock: socket.socket) -> int:

@@ -14,10 +14,10 @@ import time
 import pytest
 import requests
 
-from disaggregated_inference.kv import bundle
 from disaggregated_inference.kv import receive as handoff_module
 from disaggregated_inference import tuning
 from disaggregated_inference.backends import ModelSettings, Prompt, create
+from disaggregated_inference.testing.bundles import read_bundle
 
 from .conftest import THREADS
 
@@ -131,7 +131,7 @@ def test_a_fetch_broken_off_keeps_the_lease_and_a_whole_one_frees_it(http, qwen_
         assert len(next(partial.iter_content(1 << 20))) > 0
     whole = http.get(kv["url"])
     assert whole.status_code == 200 and len(whole.content) == int(whole.headers["Content-Length"])
-    header, tokens, payload = bundle.read_bundle(io.BytesIO(whole.content))
+    header, tokens, payload = read_bundle(io.BytesIO(whole.content))
     assert len(payload) == kv["bytes"] and header.payload_crc32c == kv["crc32c"]
     assert len(tokens) == pre["prompt_tokens"]
     assert http.get(kv["url"]).status_code == 404  # freed once fetched whole
@@ -194,5 +194,5 @@ def test_token_ids_only_make_the_decode_side_recompute_the_whole_prompt(http, qw
 def _tokens_of(http, prefill_url, prompt) -> list[int]:
     """The prompt's token ids, read from the bundle itself (the wire format carries them)."""
     kv = http.post(f"{prefill_url}/prefill", json={"prompt": prompt}).json()["kv"]
-    _, tokens, _ = bundle.read_bundle(io.BytesIO(http.get(kv["url"]).content))
+    _, tokens, _ = read_bundle(io.BytesIO(http.get(kv["url"]).content))
     return tokens

@@ -17,6 +17,7 @@ import pytest
 from disaggregated_inference.errors import BundleError, UpstreamError
 from disaggregated_inference.kv import bundle, llama_state, stream
 from disaggregated_inference.kv.receive import Incoming, KVRef, _Deadline
+from disaggregated_inference.testing.bundles import read_bundle, read_streamed, write_streamed
 
 
 def header(size: int, tokens=(1, 2, 3)) -> bundle.BundleHeader:
@@ -30,22 +31,22 @@ def test_pieces_arrive_in_any_order_and_assemble_the_payload():
     payload = os.urandom(10_000)
     pieces = [[(6000, 4000)], [(0, 1000), (3000, 3000)], [(1000, 2000)]]  # out of order, one with two segments
     out = io.BytesIO()
-    bundle.write_streamed(out, header(len(payload)), [1, 2, 3], payload, pieces, {"meta": {"canary": {"k": 1}}})
-    got_header, tokens, got, trailer = bundle.read_streamed(io.BytesIO(out.getvalue()))
+    write_streamed(out, header(len(payload)), [1, 2, 3], payload, pieces, {"meta": {"canary": {"k": 1}}})
+    got_header, tokens, got, trailer = read_streamed(io.BytesIO(out.getvalue()))
     assert bytes(got) == payload and tokens == [1, 2, 3] and got_header.fingerprint == header(1).fingerprint
     assert trailer == {"meta": {"canary": {"k": 1}}}
 
 
 def test_a_reader_of_whole_bundles_refuses_a_streamed_one_by_its_version():
     out = io.BytesIO()
-    bundle.write_streamed(out, header(4), [1, 2, 3], b"abcd", [[(0, 4)]])
+    write_streamed(out, header(4), [1, 2, 3], b"abcd", [[(0, 4)]])
     with pytest.raises(bundle.BundleFormatError, match="version 2 is not supported"):
-        bundle.read_bundle(io.BytesIO(out.getvalue()))
+        read_bundle(io.BytesIO(out.getvalue()))
 
 
 def streamed_bytes(payload: bytes, pieces, trailer=None) -> bytes:
     out = io.BytesIO()
-    bundle.write_streamed(out, header(len(payload)), [1, 2, 3], payload, pieces, trailer)
+    write_streamed(out, header(len(payload)), [1, 2, 3], payload, pieces, trailer)
     return out.getvalue()
 
 
@@ -54,13 +55,13 @@ def test_a_piece_with_a_bad_checksum_is_refused_where_it_lands():
     raw = bytearray(streamed_bytes(payload, [[(0, 2048)], [(2048, 2048)]]))
     raw[-200] ^= 0x01  # inside the second piece's bytes
     with pytest.raises(bundle.BundleFormatError, match="piece checksum mismatch"):
-        bundle.read_streamed(io.BytesIO(bytes(raw)))
+        read_streamed(io.BytesIO(bytes(raw)))
 
 
 def test_overlapping_or_outside_or_missing_bytes_are_refused():
     payload = os.urandom(100)
     with pytest.raises(bundle.BundleFormatError, match="overlaps"):
-        bundle.read_streamed(io.BytesIO(streamed_bytes(payload, [[(0, 60)], [(50, 50)]])))
+        read_streamed(io.BytesIO(streamed_bytes(payload, [[(0, 60)], [(50, 50)]])))
     coverage = bundle.Coverage(100)
     with pytest.raises(bundle.BundleFormatError, match="outside the payload"):
         coverage.add(90, 20)
@@ -71,7 +72,7 @@ def test_overlapping_or_outside_or_missing_bytes_are_refused():
                       for part in [bundle.encode_piece(view, [(0, 60)])] for p in (part[0], *part[1]))
            + bundle.encode_trailer({}) + bundle.encode_stream_end(1, 60))
     with pytest.raises(bundle.BundleFormatError, match="incomplete: 60 of 100"):
-        bundle.read_streamed(io.BytesIO(raw))
+        read_streamed(io.BytesIO(raw))
 
 
 def test_coverage_merges_neighbours_and_knows_when_it_is_complete():
@@ -87,7 +88,7 @@ def test_an_error_frame_mid_stream_is_the_senders_error():
     raw = (bundle.encode_preamble(header(8), [1, 2, 3], bundle.STREAMED_VERSION) + head + bytes(parts[0])
            + bundle.encode_error(500, "prefill failed"))
     with pytest.raises(bundle.BundleRemoteError) as err:
-        bundle.read_streamed(io.BytesIO(raw))
+        read_streamed(io.BytesIO(raw))
     assert err.value.code == 500
 
 
@@ -111,7 +112,7 @@ def test_the_sender_sends_each_piece_once_it_is_ready_and_the_trailer_last():
     sb.finish({"meta": {"canary": {"top": [1]}}})
     rest = list(frames)
     assert sent == [True]  # after the end marker was taken
-    _, _, got, trailer = bundle.read_streamed(io.BytesIO(b"".join([bundle.encode_preamble(
+    _, _, got, trailer = read_streamed(io.BytesIO(b"".join([bundle.encode_preamble(
         sb.header, [1, 2, 3], bundle.STREAMED_VERSION), piece, *rest])))
     assert bytes(got) == bytes(payload) and trailer["meta"] == {"canary": {"top": [1]}}
     assert trailer["send_tail_s"] >= 0 and trailer["prefill_ended_at"] <= time.time()
@@ -319,7 +320,7 @@ def test_a_streamed_prefill_hands_over_the_exported_state_byte_for_byte(tiny_pai
     layers = prefill._cells.layout.n_layer
     chunks = -(-(n - 128) // 64)
     assert len(sink.pieces) == 1 + layers * (1 + chunks)  # the skeleton, the cached rows, then each chunk's
-    _, _, got, _ = bundle.read_streamed(io.BytesIO(b"".join(sink.frames(lambda: None))))
+    _, _, got, _ = read_streamed(io.BytesIO(b"".join(sink.frames(lambda: None))))
     assert bytes(got) == bytes(whole.payload)
 
 

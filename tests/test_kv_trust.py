@@ -15,13 +15,14 @@ from disaggregated_inference.errors import BundleError, Forbidden, UpstreamError
 from disaggregated_inference.kv import bundle, trust
 from disaggregated_inference.kv import receive as handoff
 from disaggregated_inference.kv.receive import KVRef
+from disaggregated_inference.testing.bundles import to_bytes
 
 
 
 def make_bundle(payload: bytes, tokens=(5, 6, 7)):
     header = bundle.BundleHeader(kind=bundle.KIND_LLAMA_SEQ_STATE, n_tokens=len(tokens), payload_bytes=len(payload),
                                  payload_crc32c=bundle.payload_checksum(payload), fingerprint={"model_sha256": "cd"})
-    return header, bundle.to_bytes(header, list(tokens), payload)
+    return header, to_bytes(header, list(tokens), payload)
 
 
 @pytest.mark.parametrize("url,sources,ok", [

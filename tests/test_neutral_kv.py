@@ -9,6 +9,7 @@ import pytest
 from disaggregated_inference.errors import BundleError, FingerprintMismatch
 from disaggregated_inference.kv import bundle, neutral
 from disaggregated_inference.kv.convert import from_neutral, to_neutral
+from disaggregated_inference.testing.bundles import read_bundle, to_bytes
 
 
 def random_kv(n_layer=3, heads=2, tokens=5, dim=8, dtype="f16", seed=0) -> neutral.NeutralKV:
@@ -29,7 +30,7 @@ def test_layout_is_k_then_v_layer_after_layer_and_travels_in_a_bundle():
     assert bytes(payload[start:start + v_bytes]) == kv.values[1].tobytes()
     header = bundle.BundleHeader(kind=bundle.KIND_NEUTRAL_KV, n_tokens=6, payload_bytes=len(payload),
                                  payload_crc32c=bundle.payload_checksum(payload), meta={"neutral": meta})
-    got_header, tokens, got_payload = bundle.read_bundle(io.BytesIO(bundle.to_bytes(header, list(range(6)), payload)))
+    got_header, tokens, got_payload = read_bundle(io.BytesIO(to_bytes(header, list(range(6)), payload)))
     back = neutral.decode(got_header.meta["neutral"], got_payload)
     for a, b in zip(kv.keys + kv.values, back.keys + back.values):
         assert np.array_equal(a, b)

@@ -9,7 +9,7 @@ import pytest
 
 from disaggregated_inference.backends import ModelSettings, create
 from disaggregated_inference.backends.base import Prompt, Sampling
-from disaggregated_inference.backends.llama_cpp import PREFIX_MIN_TOKENS
+from disaggregated_inference.backends.llama_slots import PREFIX_MIN_TOKENS
 
 from .conftest import THREADS
 
@@ -19,6 +19,11 @@ RUBRIC = ("Grade the notebook against the rubric: data loading, cleaning, a grou
 
 def prompt(repeats: int, work: str) -> Prompt:
     return Prompt(text=RUBRIC * repeats + "\nStudent work: " + work)
+
+
+def cached_prefixes(b) -> dict[int, int]:
+    """Free slot -> how many prompt tokens of KV it holds for reuse."""
+    return {seq: len(held) for seq, held in sorted(b._cached.items())}
 
 
 def backend(prefix_cache: bool, parallel: int = 2):
@@ -90,7 +95,7 @@ def test_a_short_last_chunk_is_evaluated_whole_and_the_state_is_still_bit_identi
     (4000, 5000, 4000), # [4000, 4096) 96 rows, then the cache-less chunks
 ])
 def test_the_reuse_keeps_every_row_in_a_chunk_of_its_cache_less_kind(shared, m, reuse):
-    from disaggregated_inference.backends.llama_cpp import _aligned_reuse
+    from disaggregated_inference.backends.llama_slots import _aligned_reuse
 
     assert _aligned_reuse(min(shared, m - PREFIX_MIN_TOKENS), m, 512) == reuse
 
@@ -113,12 +118,12 @@ def test_a_short_shared_start_takes_the_lowest_free_slot_and_evaluates_everythin
     short = Prompt(text="Something else entirely, with few tokens in common.")
     try:
         b.run(b.prefill(prompt(6, "first")))
-        assert list(b.cached_prefixes()) == [0]        # slot 0 keeps its prompt's KV
+        assert list(cached_prefixes(b)) == [0]         # slot 0 keeps its prompt's KV
         with b.sequence() as busy:                      # no prompt to match: the lowest free slot, emptied
-            assert busy == 0 and b.cached_prefixes() == {}
+            assert busy == 0 and cached_prefixes(b) == {}
             _, first = b.run(b.prefill(short))
             assert first.metrics["prompt_tokens_cached"] == 0
-            assert b.cached_prefixes() == {1: first.metrics["prompt_tokens"]}
+            assert cached_prefixes(b) == {1: first.metrics["prompt_tokens"]}
             _, again = b.run(b.prefill(short))          # too short to reuse 64 and leave 64 rows
             assert again.metrics["prompt_tokens_cached"] == 0
             assert again.metrics["prompt_tokens_evaluated"] == again.metrics["prompt_tokens"] - 1
@@ -130,11 +135,11 @@ def test_a_short_shared_start_takes_the_lowest_free_slot_and_evaluates_everythin
 def test_a_request_that_fails_leaves_nothing_behind(warm):
     p = prompt(6, "df.dropna()")
     warm.run(warm.prefill(p))
-    before = dict(warm.cached_prefixes())
+    before = dict(cached_prefixes(warm))
     gen = warm.prefill(prompt(6, "df.fillna(0)"))
     next(gen)  # its slot acquired (the cached one) and its first evaluation asked for
     gen.close()  # abandoned mid-request: the slot's cells cannot be trusted for a later prompt
-    after = warm.cached_prefixes()
+    after = cached_prefixes(warm)
     assert len(after) == len(before) - 1 and warm._free == sorted(warm._free, reverse=True)
     assert len(warm._free) == warm.slots
 
@@ -148,7 +153,7 @@ def test_off_by_config_and_on_sliding_window_models():
         p = prompt(6, "df.head()")
         gemma.run(gemma.prefill(p))
         _, again = gemma.run(gemma.prefill(p))
-        assert again.metrics["prompt_tokens_cached"] == 0 and gemma.cached_prefixes() == {}
+        assert again.metrics["prompt_tokens_cached"] == 0 and cached_prefixes(gemma) == {}
     finally:
         gemma.close()
 

@@ -10,6 +10,7 @@ from disaggregated_inference.kv import buffers
 from disaggregated_inference.kv import bundle
 from disaggregated_inference.kv import send as sender
 from disaggregated_inference.kv.buffers import HUGE_THRESHOLD
+from disaggregated_inference.testing.bundles import read_bundle
 
 linux_only = pytest.mark.skipif(not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"),
                                 reason="in-memory files (memfd) are Linux's")
@@ -41,7 +42,7 @@ def test_a_payload_in_a_sendable_buffer_is_framed_in_place_into_a_whole_bundle()
     with sender.RangeFile(framed, lambda: None) as source:
         raw = source.read()
     assert len(raw) == framed.length  # reads stop at the bundle's end, not the file's
-    got_header, got_tokens, got_payload = bundle.read_bundle(io.BytesIO(raw))
+    got_header, got_tokens, got_payload = read_bundle(io.BytesIO(raw))
     assert got_header == header and got_tokens == tokens and bytes(got_payload) == bytes(payload)
 
 
@@ -62,7 +63,7 @@ def test_sendfile_sends_the_bundle_and_only_a_whole_send_counts_as_sent():
         assert len(received[0]) == count
         assert calls == (["sent"] if whole else [])
         if whole:
-            assert bytes(bundle.read_bundle(io.BytesIO(received[0]))[2]) == bytes(payload)
+            assert bytes(read_bundle(io.BytesIO(received[0]))[2]) == bytes(payload)
 
 
 @linux_only
@@ -103,7 +104,7 @@ def test_payloads_outside_a_file_travel_as_frames_and_report_when_all_went_out()
     assert calls == [] and isinstance(first, bytes)
     raw = first + b"".join(pieces)
     assert calls == ["sent"] and len(raw) == sender.content_length(header, None)
-    assert bytes(bundle.read_bundle(io.BytesIO(raw))[2]) == bytes(payload)
+    assert bytes(read_bundle(io.BytesIO(raw))[2]) == bytes(payload)
 
 
 @linux_only

@@ -20,6 +20,7 @@ from disaggregated_inference.errors import BundleError, ConfigError, Fingerprint
 from disaggregated_inference.kv import bundle, neutral, stream
 from disaggregated_inference.kv.canary import compare
 from disaggregated_inference.kv.convert import neutral_as_llama_state, to_neutral
+from disaggregated_inference.testing.bundles import read_streamed
 
 LLAMA = {"general.architecture": "llama", "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2,
          "llama.embedding_length": 32, "llama.block_count": 3, "llama.rope.freq_base": 10000.0}
@@ -315,7 +316,7 @@ def test_vllm_streams_each_layer_of_each_step_as_one_checked_piece(connector, la
     # what the decode side reads: every piece against its own checksum, every byte once, the canary after
     sink.finish({"meta": {k: v for k, v in result.meta.items() if k not in sink.header.meta}})
     raw = b"".join(sink.frames(on_sent=lambda: None))
-    header, tokens, payload, trailer = bundle.read_streamed(io.BytesIO(raw))
+    header, tokens, payload, trailer = read_streamed(io.BytesIO(raw))
     assert bytes(payload) == expected_payload(engine, 10) and tokens == PROMPT_IDS
     assert trailer["meta"]["canary"]["ids"] == list(range(100, 108)) and header.meta["neutral"] == meta
     # the whole handoff of the same prompt: the same bytes, handed over after the prefill
@@ -334,4 +335,4 @@ def test_a_vllm_prefill_failing_half_way_stops_its_pieces_and_ends_the_stream_wi
     assert len(sink.pieces) == 1 and sink.prefill_ended_at is None  # layer 0 of the first step, nothing after
     sink.fail(err.value.status, err.value.message)  # what the prefill server does with it (server/prefill.py)
     with pytest.raises(bundle.BundleRemoteError, match="FLASHINFER"):
-        bundle.read_streamed(io.BytesIO(b"".join(sink.frames(on_sent=lambda: None))))
+        read_streamed(io.BytesIO(b"".join(sink.frames(on_sent=lambda: None))))

@@ -112,11 +112,11 @@ def test_health_names_the_engine_its_kind_and_the_weights_both_sides_share(urls,
 
 
 def test_the_bundle_is_neutral_halves_order_float32_with_a_vllm_canary(urls, http):
-    from disaggregated_inference.kv import bundle
+    from disaggregated_inference.testing.bundles import read_bundle
 
     pre = http.post(urls["prefill-vllm"] + "/prefill", json={"prompt": PROMPT}, timeout=300).json()
     assert pre["handoff"] == "neutral_kv" and pre["kv"]["sent_as"] in ("sendfile", "frames")
-    header, tokens, payload = bundle.read_bundle(io.BytesIO(http.get(pre["kv"]["url"], timeout=60).content))
+    header, tokens, payload = read_bundle(io.BytesIO(http.get(pre["kv"]["url"], timeout=60).content))
     meta = header.meta["neutral"]
     assert meta["head_dim_order"] == "halves" and meta["rope"] == {"style": "neox", "theta": 100000.0}
     assert meta["dtype"] == "f32" and meta["n_kv_tokens"] == len(tokens) - 1 and meta["n_layer"] == 30
@@ -183,7 +183,8 @@ def streamed_pieces(raw: bytes) -> tuple[dict, list, bytearray, dict]:
 
 
 def test_a_streamed_handoff_leaves_layer_by_layer_step_by_step_and_continues_as_the_whole_one(urls, http):
-    from disaggregated_inference.kv import bundle, neutral
+    from disaggregated_inference.kv import neutral
+    from disaggregated_inference.testing.bundles import read_bundle
 
     prompt = "Stores report weekly sales, returns and staffing by region and by month. " * 20  # ~300 tokens
     url = urls["prefill-vllm"] + "/prefill"
@@ -198,7 +199,7 @@ def test_a_streamed_handoff_leaves_layer_by_layer_step_by_step_and_continues_as_
     assert trailer["meta"]["canary"]["engine"] == "vllm/cpu" and trailer["metrics"]["handoff_mode"] == "streamed"
     # the whole bundle of the same prompt (its first two steps now from vLLM's prefix cache): the same bytes
     whole = http.post(url, json={"prompt": prompt, "raw": True}, timeout=300).json()
-    _, _, whole_payload = bundle.read_bundle(io.BytesIO(http.get(whole["kv"]["url"], timeout=120).content))
+    _, _, whole_payload = read_bundle(io.BytesIO(http.get(whole["kv"]["url"], timeout=120).content))
     assert whole["handoff_mode"] == "whole" and bytes(whole_payload) == bytes(payload)
     # and llama.cpp continues either exactly alike
     texts = []
@@ -239,19 +240,19 @@ def test_doctor_finds_both_pairs_compatible_and_measures_their_path(vllm_cluster
 
 
 def _served(bytes_server, name: str, header, tokens, payload) -> dict:
-    from disaggregated_inference.kv import bundle
+    from disaggregated_inference.testing.bundles import to_bytes
 
-    return {"url": bytes_server(f"/kv/{name}", bundle.to_bytes(header, tokens, payload)), "handle": name}
+    return {"url": bytes_server(f"/kv/{name}", to_bytes(header, tokens, payload)), "handle": name}
 
 
 def test_damaged_and_foreign_kv_is_refused_and_the_server_keeps_serving(urls, http, bytes_server):
     from dataclasses import replace
 
-    from disaggregated_inference.kv import bundle
+    from disaggregated_inference.testing.bundles import read_bundle
 
     pre = http.post(urls["prefill-vllm"] + "/prefill", json={"prompt": PROMPT}, timeout=300).json()
     raw = http.get(pre["kv"]["url"], timeout=60).content
-    header, tokens, payload = bundle.read_bundle(io.BytesIO(raw))
+    header, tokens, payload = read_bundle(io.BytesIO(raw))
     decode = urls["decode-llama"]
 
     def post(kv):

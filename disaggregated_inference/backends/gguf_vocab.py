@@ -94,9 +94,6 @@ class GgufVocab:
             self._ends[fmt.name] = end_tokens(fmt, self._eog, single)
         return self._ends[fmt.name]
 
-    def is_eog(self, token: int) -> bool:
-        return token in self._eog
-
     def eog_tokens(self) -> list[int]:
         """Every end-of-generation token id of the vocabulary (for engines that stop by id themselves)."""
         return sorted(self._eog)

@@ -1,6 +1,6 @@
 """One generation as its chat format reads it: what an engine's token loop feeds, and what it asks.
 
-A token loop (backends/llama_cpp.py, backends/neutral_engine.py) makes one
+A token loop (backends/llama_loop.py, backends/neutral_engine.py) makes one
 ``Output`` per request and hands it every token it samples (``take``: the
 token's text, or None for a token the format ends generations with). The
 ``Step`` it gets back says what the token added (``Part``s: answer, reasoning,

@@ -79,56 +79,63 @@ def create_app(config=None, client: DisaggregatedClient | None = None) -> Flask:
                                                   cfg.server["max_request_bytes"])
     token = os.environ.get("DISAGG_GATEWAY_API_TOKEN") or cfg.gateway.get("api_token")
     app.extensions["gateway"] = Gateway(cfg, client or DisaggregatedClient(cfg), GatewayMetrics(), token, time.time())
-
-    @app.errorhandler(DisaggError)
-    def _disagg_error(exc: DisaggError):
-        status, headers = error_status(exc)
-        if exc.details.pop("close", False):  # a body half read: the connection is in an unknown state
-            headers = {**headers, "Connection": "close"}
-        if status >= 500:
-            log.warning("request failed: status=%s code=%s error=%s", status, exc.code, exc.message)
-        message, field = exc.message, exc.field
-        if isinstance(exc, ModelNotFound) and not request.path.startswith("/v1"):
-            message, field = f"model '{_requested_model()}' not found", None  # Ollama's very words, and only them
-        return _error_response(message, status, field, exc.code, headers)
-
-    @app.errorhandler(HTTPException)
-    def _http_error(exc: HTTPException):
-        return _error_response(exc.description, exc.code, None, exc.name.lower().replace(" ", "_"))
-
-    @app.errorhandler(Exception)
-    def _unexpected(exc: Exception):
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return _error_response(f"internal error: {type(exc).__name__}: {exc}", 500, None, "internal_error")
-
-    @app.before_request
-    def _arrive():
-        g.arrived = time.perf_counter()
-        expected = state().api_token
-        if not expected or request.path in OPEN_PATHS:
-            return None
-        given = request.headers.get("Authorization", "")
-        if not given.startswith("Bearer ") or not hmac.compare_digest(given[7:].encode(), expected.encode()):
-            raise Unauthorized("missing or wrong API token (send 'Authorization: Bearer <token>')",
-                               field="Authorization")
-        return None
-
-    @app.get("/health")
-    def health():
-        st = state()
-        servers = st.client.status()
-        body = {"status": "healthy", "role": "gateway", "loaded": True, "models": sorted(st.config.models),
-                "servers_up": sum(1 for s in servers if s["up"]), "servers": servers,
-                "uptime_s": round(time.time() - st.started_at, 1)}
-        return Response(json.dumps(body), mimetype="application/json")
-
-    @app.get("/metrics")
-    def metrics():
-        return Response(state().metrics.render(), mimetype="text/plain; version=0.0.4; charset=utf-8")
-
+    app.register_error_handler(DisaggError, _disagg_error)
+    app.register_error_handler(HTTPException, _http_error)
+    app.register_error_handler(Exception, _unexpected)
+    app.before_request(_arrive)
+    app.add_url_rule("/health", view_func=health, methods=["GET"])
+    app.add_url_rule("/metrics", view_func=metrics, methods=["GET"])
     app.register_blueprint(openai)
     app.register_blueprint(ollama)
     return app
+
+
+def _disagg_error(exc: DisaggError):
+    status, headers = error_status(exc)
+    if exc.details.pop("close", False):  # a body half read: the connection is in an unknown state
+        headers = {**headers, "Connection": "close"}
+    if status >= 500:
+        log.warning("request failed: status=%s code=%s error=%s", status, exc.code, exc.message)
+    message, field = exc.message, exc.field
+    if isinstance(exc, ModelNotFound) and not request.path.startswith("/v1"):
+        message, field = f"model '{_requested_model()}' not found", None  # Ollama's very words, and only them
+    return _error_response(message, status, field, exc.code, headers)
+
+
+def _http_error(exc: HTTPException):
+    return _error_response(exc.description, exc.code, None, exc.name.lower().replace(" ", "_"))
+
+
+def _unexpected(exc: Exception):
+    log.exception("unhandled error in %s %s", request.method, request.path)
+    return _error_response(f"internal error: {type(exc).__name__}: {exc}", 500, None, "internal_error")
+
+
+def _arrive():
+    g.arrived = time.perf_counter()
+    expected = state().api_token
+    if not expected or request.path in OPEN_PATHS:
+        return None
+    given = request.headers.get("Authorization", "")
+    if not given.startswith("Bearer ") or not hmac.compare_digest(given[7:].encode(), expected.encode()):
+        raise Unauthorized("missing or wrong API token (send 'Authorization: Bearer <token>')",
+                           field="Authorization")
+    return None
+
+
+def health():
+    """``GET /health``: the gateway and the servers it sees."""
+    st = state()
+    servers = st.client.status()
+    body = {"status": "healthy", "role": "gateway", "loaded": True, "models": sorted(st.config.models),
+            "servers_up": sum(1 for s in servers if s["up"]), "servers": servers,
+            "uptime_s": round(time.time() - st.started_at, 1)}
+    return Response(json.dumps(body), mimetype="application/json")
+
+
+def metrics():
+    """``GET /metrics``: Prometheus' text format."""
+    return Response(state().metrics.render(), mimetype="text/plain; version=0.0.4; charset=utf-8")
 
 
 def _requested_model() -> str:

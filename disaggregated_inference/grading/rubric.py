@@ -70,9 +70,6 @@ class EvidenceRules:
     def empty(self) -> bool:
         return self == EvidenceRules()
 
-    def points_of(self, key: str) -> float | None:
-        return dict(self.points).get(key)
-
 
 @dataclass(frozen=True)
 class Criterion:
@@ -84,10 +81,6 @@ class Criterion:
     missing_evidence_cap: float = DEFAULT_MISSING_EVIDENCE_CAP
     model_band: float = DEFAULT_MODEL_BAND
     no_evidence_share: float = DEFAULT_NO_EVIDENCE_SHARE
-
-    @property
-    def integer_points(self) -> bool:
-        return float(self.points).is_integer()
 
 
 @dataclass(frozen=True)

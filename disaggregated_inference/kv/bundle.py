@@ -53,7 +53,6 @@ fingerprint is checked before the first piece is used. Then::
 from __future__ import annotations
 
 import bisect
-import io
 import json
 import os
 import queue
@@ -268,11 +267,6 @@ def encoded_length(header: BundleHeader, chunk_size: int = DEFAULT_CHUNK) -> int
             + frames * (1 + _U32.size) + header.payload_bytes + 1 + _U32.size)
 
 
-def write_bundle(out: BinaryIO, header: BundleHeader, tokens, payload, chunk_size: int = DEFAULT_CHUNK) -> None:
-    for piece in iter_encoded(header, tokens, payload, chunk_size):
-        out.write(piece)
-
-
 class _RunningChecksum:
     """CRC-32C of a payload's pieces, in order, as they arrive.
 
@@ -386,14 +380,6 @@ def read_any_preamble(src: BinaryIO, versions: tuple = (FORMAT_VERSION, STREAMED
     return version, header, tokens
 
 
-def read_bundle(src: BinaryIO, max_payload_bytes: int | None = None,
-                allocate: Callable[[int], object] = bytearray) -> tuple[BundleHeader, list[int], object]:
-    """Read one bundle and check it; return its header, token ids and payload."""
-    arrived = receive_bundle(src, max_payload_bytes, allocate)
-    arrived.check()
-    return arrived.header, arrived.tokens, arrived.payload
-
-
 def receive_bundle(src: BinaryIO, max_payload_bytes: int | None = None,
                    allocate: Callable[[int], object] = bytearray, checksum_alongside: bool = True,
                    check_header: Callable[[BundleHeader], None] | None = None,
@@ -452,13 +438,6 @@ def _read_frames(src: BinaryIO, view: memoryview, checksum: _RunningChecksum) ->
             raise BundleRemoteError(code, _read_exact(src, length, "error message").decode("utf-8", "replace"))
         else:
             raise BundleFormatError(f"unknown frame tag {tag!r}")
-
-
-def to_bytes(header: BundleHeader, tokens, payload) -> bytes:
-    """The whole bundle in memory (tests, small token-id bundles)."""
-    buf = io.BytesIO()
-    write_bundle(buf, header, tokens, payload)
-    return buf.getvalue()
 
 
 # -- streamed bundles ------------------------------------------------------------------------------
@@ -585,30 +564,3 @@ def read_stream_frame(src: BinaryIO, view: memoryview, coverage: Coverage) -> tu
         code, length = _ERROR.unpack(_read_exact(src, _ERROR.size, "error frame"))
         raise BundleRemoteError(code, _read_exact(src, length, "error message").decode("utf-8", "replace"))
     raise BundleFormatError(f"unknown frame tag {tag!r} in a streamed bundle")
-
-
-def read_streamed(src: BinaryIO, allocate: Callable[[int], object] = bytearray
-                  ) -> tuple[BundleHeader, list[int], object, dict]:
-    """Read one whole streamed bundle (tests, tools): header, token ids, the assembled payload, trailer."""
-    header, tokens = read_preamble(src, (STREAMED_VERSION,))
-    payload = allocate(header.payload_bytes)
-    view, coverage, trailer = memoryview(payload).cast("B"), Coverage(header.payload_bytes), {}
-    while True:
-        kind, value = read_stream_frame(src, view, coverage)
-        if kind == "trailer":
-            trailer = value
-        elif kind == "end":
-            return header, tokens, payload, trailer
-
-
-def write_streamed(out: BinaryIO, header: BundleHeader, tokens, payload, pieces, trailer: dict | None = None) -> None:
-    """Write a whole streamed bundle whose ``pieces`` (lists of segments) are all final (tests, tools)."""
-    view = memoryview(payload).cast("B")
-    out.write(encode_preamble(header, tokens, STREAMED_VERSION))
-    for segments in pieces:
-        head, parts = encode_piece(view, segments)
-        out.write(head)
-        for part in parts:
-            out.write(part)
-    out.write(encode_trailer(trailer or {}))
-    out.write(encode_stream_end(len(pieces), sum(n for segments in pieces for _, n in segments)))

@@ -170,6 +170,144 @@ def _line(event) -> dict:
     return {"text": event.piece, "done": False}
 
 
+def decode():
+    """``POST /decode``."""
+    st = web.state()
+    settings = st.settings
+    received_at = time.perf_counter()
+    req = parse_decode(web.json_body(), web.request_limits())
+    web.check_model(req.model)
+    check_supported(req.sampling, st.backend)
+    if req.kv is not None:  # before anything else: an untrusted URL is never contacted
+        trust.check_source(req.kv.url, settings.trusted_kv_sources)
+    if req.tokens is not None:
+        check_vocabulary(req.tokens, st.backend)
+    return answer(st, req, received_at, lambda status: decoding(st, req, received_at, status))
+
+
+def answer(st, req, received_at: float, start):
+    """``start(status) -> (events, extra)`` answered as the request asked: with heartbeats (``progress``:
+    the whole of it runs on a helper thread), as a stream, or whole."""
+    if req.progress:
+        def work(status):
+            events, extra = start(status)
+            return event_lines(events, received_at, extra, st.metrics.observe_decode, status)
+        return web.ndjson(progress.lines(work))
+    events, extra = start(progress.Progress())
+    return run_events(events, received_at, extra, req.stream, st.metrics.observe_decode)
+
+
+def decoding(st, req, received_at: float, status):
+    pool = st.receive_buffers
+    # a slot first: a server that cannot serve the request now must not consume the lease
+    status.phase = "queued"
+    reservation = st.owner.reserve()
+    try:
+        status.phase = "fetching"
+        received, extra = _receive(st, req)
+        incoming = received.incoming
+        if incoming is not None and received.kind not in st.backend.imports_streamed:
+            _pump(st, incoming, extra)  # this backend takes the bundle whole: all of it first
+            received.incoming = incoming = None
+    except BaseException:
+        reservation.release()
+        raise
+    if incoming is not None and received.kind not in st.backend.accepts:
+        incoming.close()  # let the backend refuse it (409) without pulling the rest
+    extra["queue_time"] = round(reservation.waited, 6)
+    extra["handoff"] = received.kind
+    extra["kv_fetch_to_queue_time"] = round(time.perf_counter() - received_at, 6)
+    if received.kind == KIND_TOKEN_IDS:  # the prompt is evaluated here
+        status.phase, status.tokens = "prefill", max(0, len(received.tokens) - 1)
+    else:
+        status.phase = "importing"
+    if incoming is not None:
+        incoming.on_change = st.owner.wake  # the job parks until pieces are in
+    # the job holds the only reference to the bundle; the backend drops its payload once imported
+    events = st.owner.stream(partial(_decode_job, received, req.sampling, pool, st.metrics), reservation, status)
+    del received
+    if incoming is not None:  # the rest of the stream, read here while the model's thread imports it
+        try:
+            _pump(st, incoming, extra)
+        except BaseException:
+            events.close()  # the job stops; its cleanup leaves nothing imported
+            raise
+    return events, extra
+
+
+def _pump(st, incoming, extra: dict) -> None:
+    """Read a streamed bundle to its end; its figures (and the prefill's, from its trailer) into ``extra``."""
+    incoming.pump()
+    extra.update(incoming.stats())
+    if isinstance(incoming.trailer.get("metrics"), dict):
+        extra["prefill_metrics"] = incoming.trailer["metrics"]
+    _observe_transfer(st, extra, incoming.ref)
+
+
+def _receive(st, req):
+    settings, pool = st.settings, st.receive_buffers
+    extra: dict = {}
+    if req.kv is not None:
+        received, extra = fetch(req.kv, timeout=settings.kv_fetch_timeout,
+                                connect_timeout=settings.connect_timeout, api_token=settings.api_token,
+                                max_bytes=settings.max_kv_bytes, pool=pool,
+                                socket_buffer=settings.kv_socket_buffer_bytes,
+                                sources=settings.trusted_kv_sources,
+                                progress_timeout=settings.kv_progress_timeout, room=st.backend.receive_room(),
+                                streamed=True)
+        if received.incoming is None:
+            extra["handoff_mode"] = "whole"
+            _observe_transfer(st, extra, req.kv)
+    else:
+        received = Received(KIND_TOKEN_IDS, list(req.tokens), b"", req.fingerprint or {})
+        extra = {"kv_bytes": 0, "kv_transfer_time": 0.0}
+    ours = st.backend.fingerprint()
+    # a neutral bundle may come from another engine: the backend checks the weights it names (meta.neutral.model)
+    if (req.kv is not None or req.fingerprint) and received.kind != KIND_NEUTRAL_KV:
+        try:  # a streamed bundle's fingerprint, before any of its pieces is used
+            fingerprint.check(ours, received.fingerprint)
+        except BaseException:
+            if received.incoming is not None:
+                received.incoming.close()
+            raise
+    # bare ids ("tokens"/"context") without a fingerprint: nothing says which tokenizer made them
+    extra["fingerprint_checked"] = bool(req.kv is not None or req.fingerprint)
+    return received, extra
+
+
+def _observe_transfer(st, extra: dict, ref) -> None:
+    settings = st.settings
+    st.metrics.observe_pull(ref.url, extra["kv_bytes"], extra["kv_transfer_time"])
+    if extra["kv_transfer_time"] > settings.slow_transfer_seconds:
+        st.metrics.slow_transfers.inc()
+        log.warning("slow KV transfer: bytes=%d seconds=%.3f url=%s (continuing)", extra["kv_bytes"],
+                    extra["kv_transfer_time"], ref.url)
+
+
+def generate():
+    """``POST /generate``."""
+    st = web.state()
+    received_at = time.perf_counter()
+    req = parse_generate(web.json_body(), web.request_limits())
+    web.check_model(req.model)
+    check_supported(req.sampling, st.backend)
+    return answer(st, req, received_at, lambda status: generating(st, req, status))
+
+
+def generating(st, req, status):
+    status.phase = "tokenizing"  # on this request's thread, never the model's
+    prompt, tokenize_time = web.tokenized(st, req.prompt)
+    status.phase, status.tokens = "queued", len(prompt.tokens) - 1 if prompt.tokens is not None else None
+    events = st.owner.stream(lambda backend, cancelled: backend.generate(prompt, req.sampling, cancelled),
+                             progress=status)
+    status.phase = "prefill"
+    st.metrics.decode_only.inc()
+    extra = {"handoff": "none", "kv_bytes": 0, "queue_time": round(events.queue_time, 6)}
+    if tokenize_time is not None:
+        extra["tokenize_time"] = tokenize_time
+    return events, extra
+
+
 def create_app(config=None, backend=None) -> Flask:
     settings = resolve(config, role="decode")
     app = web.create_base_app(settings, backend)
@@ -177,130 +315,7 @@ def create_app(config=None, backend=None) -> Flask:
     # receive buffers stay mapped (and faulted in) between handoffs: fresh memory faults on every page
     pool = st.receive_buffers = BufferPool(idle_seconds=settings.kv_buffer_idle_seconds)
     st.metrics.watch_receive_buffers(pool)
-
-    @app.post("/decode")
-    def decode():
-        received_at = time.perf_counter()
-        req = parse_decode(web.json_body(), web.request_limits())
-        web.check_model(req.model)
-        check_supported(req.sampling, st.backend)
-        if req.kv is not None:  # before anything else: an untrusted URL is never contacted
-            trust.check_source(req.kv.url, settings.trusted_kv_sources)
-        if req.tokens is not None:
-            check_vocabulary(req.tokens, st.backend)
-        return answer(req, received_at, lambda status: decoding(req, received_at, status))
-
-    def answer(req, received_at: float, start):
-        """``start(status) -> (events, extra)`` answered as the request asked: with heartbeats (``progress``:
-        the whole of it runs on a helper thread), as a stream, or whole."""
-        if req.progress:
-            def work(status):
-                events, extra = start(status)
-                return event_lines(events, received_at, extra, st.metrics.observe_decode, status)
-            return web.ndjson(progress.lines(work))
-        events, extra = start(progress.Progress())
-        return run_events(events, received_at, extra, req.stream, st.metrics.observe_decode)
-
-    def decoding(req, received_at: float, status):
-        # a slot first: a server that cannot serve the request now must not consume the lease
-        status.phase = "queued"
-        reservation = st.owner.reserve()
-        try:
-            status.phase = "fetching"
-            received, extra = _receive(req)
-            incoming = received.incoming
-            if incoming is not None and received.kind not in st.backend.imports_streamed:
-                _pump(incoming, extra)  # this backend takes the bundle whole: all of it first
-                received.incoming = incoming = None
-        except BaseException:
-            reservation.release()
-            raise
-        if incoming is not None and received.kind not in st.backend.accepts:
-            incoming.close()  # let the backend refuse it (409) without pulling the rest
-        extra["queue_time"] = round(reservation.waited, 6)
-        extra["handoff"] = received.kind
-        extra["kv_fetch_to_queue_time"] = round(time.perf_counter() - received_at, 6)
-        if received.kind == KIND_TOKEN_IDS:  # the prompt is evaluated here
-            status.phase, status.tokens = "prefill", max(0, len(received.tokens) - 1)
-        else:
-            status.phase = "importing"
-        if incoming is not None:
-            incoming.on_change = st.owner.wake  # the job parks until pieces are in
-        # the job holds the only reference to the bundle; the backend drops its payload once imported
-        events = st.owner.stream(partial(_decode_job, received, req.sampling, pool, st.metrics), reservation, status)
-        del received
-        if incoming is not None:  # the rest of the stream, read here while the model's thread imports it
-            try:
-                _pump(incoming, extra)
-            except BaseException:
-                events.close()  # the job stops; its cleanup leaves nothing imported
-                raise
-        return events, extra
-
-    def _pump(incoming, extra: dict) -> None:
-        """Read a streamed bundle to its end; its figures (and the prefill's, from its trailer) into ``extra``."""
-        incoming.pump()
-        extra.update(incoming.stats())
-        if isinstance(incoming.trailer.get("metrics"), dict):
-            extra["prefill_metrics"] = incoming.trailer["metrics"]
-        _observe_transfer(extra, incoming.ref)
-
-    def _receive(req):
-        extra: dict = {}
-        if req.kv is not None:
-            received, extra = fetch(req.kv, timeout=settings.kv_fetch_timeout,
-                                    connect_timeout=settings.connect_timeout, api_token=settings.api_token,
-                                    max_bytes=settings.max_kv_bytes, pool=pool,
-                                    socket_buffer=settings.kv_socket_buffer_bytes,
-                                    sources=settings.trusted_kv_sources,
-                                    progress_timeout=settings.kv_progress_timeout, room=st.backend.receive_room(),
-                                    streamed=True)
-            if received.incoming is None:
-                extra["handoff_mode"] = "whole"
-                _observe_transfer(extra, req.kv)
-        else:
-            received = Received(KIND_TOKEN_IDS, list(req.tokens), b"", req.fingerprint or {})
-            extra = {"kv_bytes": 0, "kv_transfer_time": 0.0}
-        ours = st.backend.fingerprint()
-        # a neutral bundle may come from another engine: the backend checks the weights it names (meta.neutral.model)
-        if (req.kv is not None or req.fingerprint) and received.kind != KIND_NEUTRAL_KV:
-            try:  # a streamed bundle's fingerprint, before any of its pieces is used
-                fingerprint.check(ours, received.fingerprint)
-            except BaseException:
-                if received.incoming is not None:
-                    received.incoming.close()
-                raise
-        # bare ids ("tokens"/"context") without a fingerprint: nothing says which tokenizer made them
-        extra["fingerprint_checked"] = bool(req.kv is not None or req.fingerprint)
-        return received, extra
-
-    def _observe_transfer(extra: dict, ref) -> None:
-        st.metrics.observe_pull(ref.url, extra["kv_bytes"], extra["kv_transfer_time"])
-        if extra["kv_transfer_time"] > settings.slow_transfer_seconds:
-            st.metrics.slow_transfers.inc()
-            log.warning("slow KV transfer: bytes=%d seconds=%.3f url=%s (continuing)", extra["kv_bytes"],
-                        extra["kv_transfer_time"], ref.url)
-
-    @app.post("/generate")
-    def generate():
-        received_at = time.perf_counter()
-        req = parse_generate(web.json_body(), web.request_limits())
-        web.check_model(req.model)
-        check_supported(req.sampling, st.backend)
-        return answer(req, received_at, lambda status: generating(req, status))
-
-    def generating(req, status):
-        status.phase = "tokenizing"  # on this request's thread, never the model's
-        prompt, tokenize_time = web.tokenized(st, req.prompt)
-        status.phase, status.tokens = "queued", len(prompt.tokens) - 1 if prompt.tokens is not None else None
-        events = st.owner.stream(lambda backend, cancelled: backend.generate(prompt, req.sampling, cancelled),
-                                 progress=status)
-        status.phase = "prefill"
-        st.metrics.decode_only.inc()
-        extra = {"handoff": "none", "kv_bytes": 0, "queue_time": round(events.queue_time, 6)}
-        if tokenize_time is not None:
-            extra["tokenize_time"] = tokenize_time
-        return events, extra
-
+    app.add_url_rule("/decode", view_func=decode, methods=["POST"])
+    app.add_url_rule("/generate", view_func=generate, methods=["POST"])
     probe.register_decode(app, settings, st.metrics)  # POST /kv/probe: measure the path from a prefill server
     return app

@@ -71,152 +71,165 @@ def _error_frame(exc: BaseException) -> tuple[int, str]:
     return 500, f"{type(exc).__name__}: {exc}"
 
 
+def prefill_streamed(st, req, prompt, tokenize_time, reservation, started: float, base: str, status):
+    """Answer once the prompt is tokenized and its slot taken; the KV leaves as it is evaluated."""
+    settings = st.settings
+    streaming = StreamingBundle()
+
+    def job(backend, cancelled):
+        try:
+            out = backend.prefill(prompt, kv_stream=streaming)
+            result = (yield from out) if inspect.isgenerator(out) else out
+        except BaseException as exc:
+            streaming.fail(*_error_frame(exc), failure=exc)
+            raise
+        st.metrics.observe_prefill(result.metrics, len(memoryview(result.payload).cast("B")))
+        trailer_meta = {k: v for k, v in result.meta.items() if k not in streaming.header.meta}
+        streaming.finish({"meta": trailer_meta, "metrics": result.metrics})
+
+    events = st.owner.stream(job, reservation, status)  # closing it cancels the prefill
+    try:
+        streaming.wait_open(settings.queue_timeout + settings.kv_fetch_timeout)
+        lease = st.leases.put(streaming.header, streaming.tokens, streaming.payload, req.lease_seconds,
+                              streaming=streaming)  # 503 when its KV would not fit under max_lease_bytes
+    except BaseException:
+        events.close()
+        raise
+
+    def abandoned() -> None:  # the pull broke off, or the lease was given up: stop, free it all
+        events.close()
+        st.leases.release(lease.handle, why="abandoned")
+
+    def settled(state: str) -> None:
+        if state == DONE:
+            st.leases.start_clock(lease.handle, req.lease_seconds)
+        else:
+            st.leases.release(lease.handle, why="failed")
+
+    streaming.on_abandoned = abandoned
+    streaming.on_settled(settled)
+    header = streaming.header
+    metrics = {"queue_time": round(reservation.waited, 6),
+               "server_time": round(time.perf_counter() - started, 6), "handoff_mode": "streamed"}
+    if tokenize_time is not None:
+        metrics["tokenize_time"] = tokenize_time
+    return answer(st, base, header, streaming.tokens, lease, metrics, {
+        "crc32c": None, "sent_as": "stream", "mode": "streamed", "expires_at": None,
+        "lease_seconds": req.lease_seconds or st.leases.ttl})
+
+
+def answer(st, base: str, header, tokens, lease, metrics: dict, kv: dict) -> dict:
+    settings = st.settings
+    return {
+        "model": st.backend.served_model(),  # as /health names it; "model_key" is the config's key
+        "model_key": settings.model.name,
+        "server": settings.name,
+        "prompt_tokens": len(tokens),
+        # the prompt's token ids (the design documents' "context"): POST /decode {"context": ...}
+        # continues from them by recomputing the prompt; "kv" below hands over the KV itself
+        "context": [int(t) for t in tokens],
+        "handoff": header.kind,
+        "handoff_mode": metrics["handoff_mode"],
+        **({"handoff_mode_reason": metrics["handoff_mode_reason"]} if metrics.get("handoff_mode_reason") else {}),
+        "metrics": metrics,
+        "fingerprint": header.fingerprint,
+        "kv": {"url": f"{base}/kv/{lease.handle}", "handle": lease.handle, "kind": header.kind,
+               "bytes": header.payload_bytes, **kv},
+    }
+
+
+def prefill():
+    """``POST /prefill``."""
+    st = web.state()
+    settings = st.settings
+    req = parse_prefill(web.json_body(), web.request_limits(), settings.max_lease_seconds)
+    web.check_model(req.model)
+    st.leases.check_room()  # 503 before the work when the held KV is already at its cap
+    base = (settings.data_url or request.host_url).rstrip("/")
+    if req.progress:  # heartbeats until the answer, which is the last line
+        return web.ndjson(progress.lines(lambda status: iter([{**prefilled(st, req, base, status), "done": True}])))
+    return web.json_response(prefilled(st, req, base, progress.Progress()))
+
+
+def prefilled(st, req, base: str, status: progress.Progress) -> dict:
+    """Tokenize (here, on the request's thread), wait for a slot, evaluate, lease the KV: the answer."""
+    started = time.perf_counter()
+    refused = streaming_refused(st.owner, req) if req.handoff_mode == "streamed" else None
+    status.phase = "tokenizing"
+    prompt, tokenize_time = web.tokenized(st, req.prompt)
+    status.phase, status.tokens = "queued", len(prompt.tokens) if prompt.tokens is not None else None
+    reservation = st.owner.reserve()
+    status.phase = "prefill"
+    if req.handoff_mode == "streamed" and refused is None:
+        return prefill_streamed(st, req, prompt, tokenize_time, reservation, started, base, status)
+    result = st.owner.call(lambda backend: backend.prefill(prompt), reservation, status)
+    # a conversion the decode side asked for runs here, on the request's thread, not the model's
+    result = as_kind(st.backend, result, req.kv_kind)
+    t = time.perf_counter()
+    crc = bundle.payload_checksum(result.payload)
+    checksum_time = time.perf_counter() - t
+    header = bundle.BundleHeader(
+        kind=result.kind, n_tokens=len(result.tokens), payload_bytes=len(memoryview(result.payload)),
+        payload_crc32c=crc, fingerprint=result.fingerprint, meta=result.meta,
+    )
+    framed = send.frame_in_place(header, result.tokens, result.payload)
+    lease = st.leases.put(header, result.tokens, result.payload, req.lease_seconds, framed=framed)
+    metrics = dict(result.metrics)
+    if tokenize_time is not None:
+        metrics["tokenize_time"] = tokenize_time
+    metrics["kv_checksum_time"] = round(checksum_time, 6)
+    metrics["queue_time"] = round(reservation.waited, 6)
+    metrics["server_time"] = round(time.perf_counter() - started, 6)
+    metrics["handoff_mode"] = "whole"
+    if refused:
+        metrics["handoff_mode_reason"] = refused
+    st.metrics.observe_prefill(metrics, header.payload_bytes)
+    log.info("prefill tokens=%d kv_bytes=%d time=%.3fs", len(result.tokens), header.payload_bytes,
+             metrics.get("prefill_time", 0.0))
+    return answer(st, base, header, result.tokens, lease, metrics, {
+        "crc32c": crc, "sent_as": "sendfile" if framed is not None else "frames", "mode": "whole",
+        "expires_at": lease.expires_at, "lease_seconds": round(lease.expires_at - time.time(), 3)})
+
+
+def kv(handle: str):
+    """``GET /kv/<handle>``: the bundle, pulled by a decode server."""
+    st = web.state()
+    lease = st.leases.get(handle)
+    if lease.streaming is not None:  # the overlapped handoff: one pull, pieces as they become final
+        if not lease.streaming.claim():
+            raise NotFound(f"KV bundle {handle} is already being fetched", field="handle")
+        body = lease.streaming.frames(on_sent=lambda: st.leases.release(handle))
+        headers = {"X-KV-Bytes": str(lease.header.payload_bytes), "X-KV-Kind": lease.header.kind,
+                   "X-KV-Mode": "streamed"}
+        return Response(body, mimetype=bundle.CONTENT_TYPE, headers=headers, direct_passthrough=True)
+    # fetched whole: freed now; a broken fetch keeps the lease (for a retry) until it expires
+    body = send.body(lease.header, lease.tokens, lease.payload, lease.framed, request.environ,
+                       on_sent=lambda: st.leases.release(handle))
+    headers = {
+        "Content-Length": str(send.content_length(lease.header, lease.framed)),
+        "X-KV-Bytes": str(lease.header.payload_bytes),
+        "X-KV-CRC32C": str(lease.header.payload_crc32c),
+        "X-KV-Kind": lease.header.kind,
+    }
+    return Response(body, mimetype=bundle.CONTENT_TYPE, headers=headers, direct_passthrough=True)
+
+
+def kv_release(handle: str):
+    """``DELETE /kv/<handle>``: a lease given up."""
+    st = web.state()
+    lease = st.leases.get(handle)  # 404/410 if it is not there
+    st.leases.release(handle, why="released")
+    if lease.streaming is not None:  # a prefill still running for it is cancelled
+        lease.streaming.abandon()
+    return web.json_response({"released": handle})
+
+
 def create_app(config=None, backend=None) -> Flask:
     settings = resolve(config, role="prefill")
     app = web.create_base_app(settings, backend, leases=LeaseTable(settings.lease_seconds, max_bytes=settings.max_lease_bytes))
-    st = app.extensions["disagg"]
-
-    def prefill_streamed(req, prompt, tokenize_time, reservation, started: float, base: str, status):
-        """Answer once the prompt is tokenized and its slot taken; the KV leaves as it is evaluated."""
-        streaming = StreamingBundle()
-
-        def job(backend, cancelled):
-            try:
-                out = backend.prefill(prompt, kv_stream=streaming)
-                result = (yield from out) if inspect.isgenerator(out) else out
-            except BaseException as exc:
-                streaming.fail(*_error_frame(exc), failure=exc)
-                raise
-            st.metrics.observe_prefill(result.metrics, len(memoryview(result.payload).cast("B")))
-            trailer_meta = {k: v for k, v in result.meta.items() if k not in streaming.header.meta}
-            streaming.finish({"meta": trailer_meta, "metrics": result.metrics})
-
-        events = st.owner.stream(job, reservation, status)  # closing it cancels the prefill
-        try:
-            streaming.wait_open(settings.queue_timeout + settings.kv_fetch_timeout)
-            lease = st.leases.put(streaming.header, streaming.tokens, streaming.payload, req.lease_seconds,
-                                  streaming=streaming)  # 503 when its KV would not fit under max_lease_bytes
-        except BaseException:
-            events.close()
-            raise
-
-        def abandoned() -> None:  # the pull broke off, or the lease was given up: stop, free it all
-            events.close()
-            st.leases.release(lease.handle, why="abandoned")
-
-        def settled(state: str) -> None:
-            if state == DONE:
-                st.leases.start_clock(lease.handle, req.lease_seconds)
-            else:
-                st.leases.release(lease.handle, why="failed")
-
-        streaming.on_abandoned = abandoned
-        streaming.on_settled(settled)
-        header = streaming.header
-        metrics = {"queue_time": round(reservation.waited, 6),
-                   "server_time": round(time.perf_counter() - started, 6), "handoff_mode": "streamed"}
-        if tokenize_time is not None:
-            metrics["tokenize_time"] = tokenize_time
-        return answer(base, header, streaming.tokens, lease, metrics, {
-            "crc32c": None, "sent_as": "stream", "mode": "streamed", "expires_at": None,
-            "lease_seconds": req.lease_seconds or st.leases.ttl})
-
-    def answer(base: str, header, tokens, lease, metrics: dict, kv: dict) -> dict:
-        return {
-            "model": st.backend.served_model(),  # as /health names it; "model_key" is the config's key
-            "model_key": settings.model.name,
-            "server": settings.name,
-            "prompt_tokens": len(tokens),
-            # the prompt's token ids (the design documents' "context"): POST /decode {"context": ...}
-            # continues from them by recomputing the prompt; "kv" below hands over the KV itself
-            "context": [int(t) for t in tokens],
-            "handoff": header.kind,
-            "handoff_mode": metrics["handoff_mode"],
-            **({"handoff_mode_reason": metrics["handoff_mode_reason"]} if metrics.get("handoff_mode_reason") else {}),
-            "metrics": metrics,
-            "fingerprint": header.fingerprint,
-            "kv": {"url": f"{base}/kv/{lease.handle}", "handle": lease.handle, "kind": header.kind,
-                   "bytes": header.payload_bytes, **kv},
-        }
-
-    @app.post("/prefill")
-    def prefill():
-        req = parse_prefill(web.json_body(), web.request_limits(), settings.max_lease_seconds)
-        web.check_model(req.model)
-        st.leases.check_room()  # 503 before the work when the held KV is already at its cap
-        base = (settings.data_url or request.host_url).rstrip("/")
-        if req.progress:  # heartbeats until the answer, which is the last line
-            return web.ndjson(progress.lines(lambda status: iter([{**prefilled(req, base, status), "done": True}])))
-        return web.json_response(prefilled(req, base, progress.Progress()))
-
-    def prefilled(req, base: str, status: progress.Progress) -> dict:
-        """Tokenize (here, on the request's thread), wait for a slot, evaluate, lease the KV: the answer."""
-        started = time.perf_counter()
-        refused = streaming_refused(st.owner, req) if req.handoff_mode == "streamed" else None
-        status.phase = "tokenizing"
-        prompt, tokenize_time = web.tokenized(st, req.prompt)
-        status.phase, status.tokens = "queued", len(prompt.tokens) if prompt.tokens is not None else None
-        reservation = st.owner.reserve()
-        status.phase = "prefill"
-        if req.handoff_mode == "streamed" and refused is None:
-            return prefill_streamed(req, prompt, tokenize_time, reservation, started, base, status)
-        result = st.owner.call(lambda backend: backend.prefill(prompt), reservation, status)
-        # a conversion the decode side asked for runs here, on the request's thread, not the model's
-        result = as_kind(st.backend, result, req.kv_kind)
-        t = time.perf_counter()
-        crc = bundle.payload_checksum(result.payload)
-        checksum_time = time.perf_counter() - t
-        header = bundle.BundleHeader(
-            kind=result.kind, n_tokens=len(result.tokens), payload_bytes=len(memoryview(result.payload)),
-            payload_crc32c=crc, fingerprint=result.fingerprint, meta=result.meta,
-        )
-        framed = send.frame_in_place(header, result.tokens, result.payload)
-        lease = st.leases.put(header, result.tokens, result.payload, req.lease_seconds, framed=framed)
-        metrics = dict(result.metrics)
-        if tokenize_time is not None:
-            metrics["tokenize_time"] = tokenize_time
-        metrics["kv_checksum_time"] = round(checksum_time, 6)
-        metrics["queue_time"] = round(reservation.waited, 6)
-        metrics["server_time"] = round(time.perf_counter() - started, 6)
-        metrics["handoff_mode"] = "whole"
-        if refused:
-            metrics["handoff_mode_reason"] = refused
-        st.metrics.observe_prefill(metrics, header.payload_bytes)
-        log.info("prefill tokens=%d kv_bytes=%d time=%.3fs", len(result.tokens), header.payload_bytes,
-                 metrics.get("prefill_time", 0.0))
-        return answer(base, header, result.tokens, lease, metrics, {
-            "crc32c": crc, "sent_as": "sendfile" if framed is not None else "frames", "mode": "whole",
-            "expires_at": lease.expires_at, "lease_seconds": round(lease.expires_at - time.time(), 3)})
-
-    @app.get("/kv/<handle>")
-    def kv(handle: str):
-        lease = st.leases.get(handle)
-        if lease.streaming is not None:  # the overlapped handoff: one pull, pieces as they become final
-            if not lease.streaming.claim():
-                raise NotFound(f"KV bundle {handle} is already being fetched", field="handle")
-            body = lease.streaming.frames(on_sent=lambda: st.leases.release(handle))
-            headers = {"X-KV-Bytes": str(lease.header.payload_bytes), "X-KV-Kind": lease.header.kind,
-                       "X-KV-Mode": "streamed"}
-            return Response(body, mimetype=bundle.CONTENT_TYPE, headers=headers, direct_passthrough=True)
-        # fetched whole: freed now; a broken fetch keeps the lease (for a retry) until it expires
-        body = send.body(lease.header, lease.tokens, lease.payload, lease.framed, request.environ,
-                           on_sent=lambda: st.leases.release(handle))
-        headers = {
-            "Content-Length": str(send.content_length(lease.header, lease.framed)),
-            "X-KV-Bytes": str(lease.header.payload_bytes),
-            "X-KV-CRC32C": str(lease.header.payload_crc32c),
-            "X-KV-Kind": lease.header.kind,
-        }
-        return Response(body, mimetype=bundle.CONTENT_TYPE, headers=headers, direct_passthrough=True)
-
-    @app.delete("/kv/<handle>")
-    def kv_release(handle: str):
-        lease = st.leases.get(handle)  # 404/410 if it is not there
-        st.leases.release(handle, why="released")
-        if lease.streaming is not None:  # a prefill still running for it is cancelled
-            lease.streaming.abandon()
-        return web.json_response({"released": handle})
-
+    app.add_url_rule("/prefill", view_func=prefill, methods=["POST"])
+    app.add_url_rule("/kv/<handle>", view_func=kv, methods=["GET"])
+    app.add_url_rule("/kv/<handle>", view_func=kv_release, methods=["DELETE"])
     probe.register_prefill(app)  # GET /kv/probe?bytes=N: a test blob for disagg doctor
 
     return app

@@ -1,7 +1,11 @@
 """What the prefill and decode servers share: the app skeleton, errors, health, auth.
 
 Errors become JSON here and nowhere else. Long-lived objects (the model owner,
-the lease table) live in ``app.extensions["disagg"]``.
+the lease table) live in ``app.extensions["disagg"]`` (``state()``). Handlers and
+views are module functions, registered once by ``create_base_app`` (and the
+prefill's and decode's by their ``create_app``); they read those objects from
+``state()``, and pass them on as ``st`` to work that may run on a helper thread
+with no app context (``progress.py``).
 """
 from __future__ import annotations
 
@@ -81,93 +85,103 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
     app.config["DISAGG_ARRIVAL"] = arrival_limits(settings.header_timeout, settings.body_timeout,
                                                   settings.max_request_bytes)
     admission.install(app, settings.threads)
-
-    @app.errorhandler(DisaggError)
-    def _disagg_error(exc: DisaggError):
-        return error_response(exc)
-
-    @app.errorhandler(HTTPException)
-    def _http_error(exc: HTTPException):
-        return json_response({"error": exc.description, "code": exc.name.lower().replace(" ", "_")}, exc.code)
-
-    @app.errorhandler(Exception)
-    def _unexpected(exc: Exception):
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return json_response({"error": f"internal error: {type(exc).__name__}: {exc}", "code": "internal_error"}, 500)
-
-    @app.before_request
-    def _auth():
-        token = settings.api_token
-        if not token or request.endpoint in OPEN_ENDPOINTS:
-            return None
-        given = request.headers.get("Authorization", "")
-        if not given.startswith("Bearer ") or not hmac.compare_digest(given[7:].encode(), token.encode()):
-            raise Unauthorized("missing or wrong API token (send 'Authorization: Bearer <token>')",
-                               field="Authorization")
-        return None
-
-    @app.after_request
-    def _count(response):
-        st.metrics.requests.labels(endpoint=request.endpoint or "unknown", status=str(response.status_code)).inc()
-        return response
-
-    @app.get("/metrics")
-    def metrics():
-        return Response(st.metrics.render(), mimetype="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.get("/health")
-    def health():
-        owner = st.owner
-        body = {
-            "status": "healthy" if owner.ready else ("loading" if owner.state == "loading" else "unhealthy"),
-            "role": settings.role,
-            "name": settings.name,
-            "model": owner.backend.served_model(),  # the real name ("qwen3-coder:30b"), as the documents show
-            "model_key": settings.model.name,  # the config's key ("qwen")
-            "aliases": list(settings.aliases),
-            "loaded": owner.ready,
-            "backend": settings.model.backend,
-            "options": options.values(settings.model),  # the model's settings, as its engine declares them
-            "handoff": getattr(owner.backend, "handoff_kind", None),
-            "accepts": list(getattr(owner.backend, "accepts", ())),  # bundle kinds its /decode continues
-            # whole bundles, and streamed ones (the overlapped handoff): what a prefill server sends, what a
-            # decode server takes (all of this version, imported as they arrive where the backend can)
-            "handoff_modes": ["whole", "streamed"] if settings.role == "decode" or (
-                getattr(owner.backend, "kv_streaming", None) or {"enabled": False}).get("enabled") is not False
-            else ["whole"],
-            "progress": owner.progress,
-            "error": owner.error,
-            "busy": owner.busy,
-            "queued": owner.queued,
-            "slots": owner.slot_stats(),
-            "compute_threads": owner.compute_threads,  # of the last step, where the cores are shared
-            "core_share": owner.cores.describe() if owner.cores is not None else None,
-            "uptime_s": round(time.time() - st.started_at, 1),
-            "non_temporal_copy_bytes": copy_tunable_in_effect(),
-            "version": __version__,
-            "time": time.time(),  # disagg doctor compares clocks
-            "auth_required": bool(settings.api_token),
-            # tokens/s of prompt evaluation over recent requests (moving average; null until one):
-            # the client's cost model starts from it (routing.py)
-            "prompt_speed": round(st.metrics.prompt_speed, 1) if st.metrics.prompt_speed else None,
-        }
-        if owner.ready:
-            body["model_info"] = owner.backend.describe()
-            body["fingerprint"] = owner.backend.fingerprint()  # what a bundle from/to this server must match
-            if body["model_info"].get("ready") is False:
-                body["status"], body["loaded"] = "degraded", False
-        if st.leases is not None:
-            body["leases"] = st.leases.stats()
-        if st.receive_buffers is not None:
-            body["receive_buffers"] = {**st.receive_buffers.stats(),
-                                       "socket_buffer_bytes": socket_buffer_in_effect(settings.kv_socket_buffer_bytes)}
-            # the last probe of each prefill server's data path (disagg doctor), by host:port
-            body["kv_probes"] = dict(st.metrics.probes)
-        body["resources"] = resources.snapshot()
-        body["energy"] = energy.snapshot()  # joules by device, or why none (server/energy.py)
-        return json_response(body, 200 if body["status"] in ("healthy", "loading") else 503)
-
+    app.register_error_handler(DisaggError, _disagg_error)
+    app.register_error_handler(HTTPException, _http_error)
+    app.register_error_handler(Exception, _unexpected)
+    app.before_request(_auth)
+    app.after_request(_count)
+    app.add_url_rule("/metrics", view_func=metrics, methods=["GET"])
+    app.add_url_rule("/health", view_func=health, methods=["GET"])
     return app
+
+
+def _disagg_error(exc: DisaggError):
+    return error_response(exc)
+
+
+def _http_error(exc: HTTPException):
+    return json_response({"error": exc.description, "code": exc.name.lower().replace(" ", "_")}, exc.code)
+
+
+def _unexpected(exc: Exception):
+    log.exception("unhandled error in %s %s", request.method, request.path)
+    return json_response({"error": f"internal error: {type(exc).__name__}: {exc}", "code": "internal_error"}, 500)
+
+
+def _auth():
+    """Every endpoint but the open ones wants the API token, when the server has one."""
+    token = state().settings.api_token
+    if not token or request.endpoint in OPEN_ENDPOINTS:
+        return None
+    given = request.headers.get("Authorization", "")
+    if not given.startswith("Bearer ") or not hmac.compare_digest(given[7:].encode(), token.encode()):
+        raise Unauthorized("missing or wrong API token (send 'Authorization: Bearer <token>')",
+                           field="Authorization")
+    return None
+
+
+def _count(response):
+    state().metrics.requests.labels(endpoint=request.endpoint or "unknown", status=str(response.status_code)).inc()
+    return response
+
+
+def metrics():
+    """``GET /metrics``: Prometheus' text format."""
+    return Response(state().metrics.render(), mimetype="text/plain; version=0.0.4; charset=utf-8")
+
+
+def health():
+    """``GET /health``: what this server is, serves and holds, and whether it is ready."""
+    st = state()
+    settings, owner = st.settings, st.owner
+    body = {
+        "status": "healthy" if owner.ready else ("loading" if owner.state == "loading" else "unhealthy"),
+        "role": settings.role,
+        "name": settings.name,
+        "model": owner.backend.served_model(),  # the real name ("qwen3-coder:30b"), as the documents show
+        "model_key": settings.model.name,  # the config's key ("qwen")
+        "aliases": list(settings.aliases),
+        "loaded": owner.ready,
+        "backend": settings.model.backend,
+        "options": options.values(settings.model),  # the model's settings, as its engine declares them
+        "handoff": getattr(owner.backend, "handoff_kind", None),
+        "accepts": list(getattr(owner.backend, "accepts", ())),  # bundle kinds its /decode continues
+        # whole bundles, and streamed ones (the overlapped handoff): what a prefill server sends, what a
+        # decode server takes (all of this version, imported as they arrive where the backend can)
+        "handoff_modes": ["whole", "streamed"] if settings.role == "decode" or (
+            getattr(owner.backend, "kv_streaming", None) or {"enabled": False}).get("enabled") is not False
+        else ["whole"],
+        "progress": owner.progress,
+        "error": owner.error,
+        "busy": owner.busy,
+        "queued": owner.queued,
+        "slots": owner.slot_stats(),
+        "compute_threads": owner.compute_threads,  # of the last step, where the cores are shared
+        "core_share": owner.cores.describe() if owner.cores is not None else None,
+        "uptime_s": round(time.time() - st.started_at, 1),
+        "non_temporal_copy_bytes": copy_tunable_in_effect(),
+        "version": __version__,
+        "time": time.time(),  # disagg doctor compares clocks
+        "auth_required": bool(settings.api_token),
+        # tokens/s of prompt evaluation over recent requests (moving average; null until one):
+        # the client's cost model starts from it (routing.py)
+        "prompt_speed": round(st.metrics.prompt_speed, 1) if st.metrics.prompt_speed else None,
+    }
+    if owner.ready:
+        body["model_info"] = owner.backend.describe()
+        body["fingerprint"] = owner.backend.fingerprint()  # what a bundle from/to this server must match
+        if body["model_info"].get("ready") is False:
+            body["status"], body["loaded"] = "degraded", False
+    if st.leases is not None:
+        body["leases"] = st.leases.stats()
+    if st.receive_buffers is not None:
+        body["receive_buffers"] = {**st.receive_buffers.stats(),
+                                   "socket_buffer_bytes": socket_buffer_in_effect(settings.kv_socket_buffer_bytes)}
+        # the last probe of each prefill server's data path (disagg doctor), by host:port
+        body["kv_probes"] = dict(st.metrics.probes)
+    body["resources"] = resources.snapshot()
+    body["energy"] = energy.snapshot()  # joules by device, or why none (server/energy.py)
+    return json_response(body, 200 if body["status"] in ("healthy", "loading") else 503)
 
 
 def arrival_limits(header_timeout: float, body_timeout: float, max_request_bytes: int) -> dict:

@@ -1,0 +1,218 @@
+"""llama.cpp's token loop: from a prompt's last token to the answer, one sampled token at a time.
+
+Sampling is per sequence (a ``llama_sampler`` chain: grammar, top-k, top-p,
+temperature, seeded distribution, or greedy).
+
+**Chat formats.** Prompts are rendered and answers read by the model's chat
+format (chat/): the token loop (``_continue``) feeds each sampled token's text
+to the request's ``chat.Output`` and yields what it reads (answer, reasoning,
+tool calls); the format decides which tokens end the generation, and when the
+loop feeds the model text itself (a reasoning budget spent) or starts the
+grammar of a schema that constrains the answer only.
+
+**Speculation.** With a proposer (the model's ``speculation`` setting, or a request's), a generating
+sequence's step may verify guesses after its token, with logits on every row; ``_continue`` keeps the
+guesses the sampler would have chosen and removes the KV cells of the rest, so a slot holds exactly
+the answer. ``speculate.py`` says why it is exact and how it decides which drafts pay.
+"""
+from __future__ import annotations
+
+import codecs
+import json
+import logging
+import os
+import time
+
+from .. import chat
+from ..errors import BadRequest
+from .base import Eval, Event, Sampling, rate
+from .gguf_vocab import end_tokens
+from .speculate import Lookahead, proposer
+
+log = logging.getLogger(__name__)
+
+
+class TokenLoop:
+    """The token loop of ``LlamaCppBackend`` (a part of that class: it reads the context, the model, the
+    settings and the chat format that ``LlamaCppBackend.load`` sets, and steps through its slots)."""
+
+    # -- the answer's reading and sampling --------------------------------------------------------
+
+    def _output(self, sampling: Sampling, chat_name: str | None, stops, tokens) -> chat.Output:
+        """How this request's answer is read: by the chat format its prompt was rendered with (``chat_name``,
+        from the prefill side; None: this model's own), with the request's tools, schema, stop strings and
+        reasoning budget. A schema that cannot become a grammar is refused here, before anything runs."""
+        output = chat.Output(chat.for_output(chat_name, self.chat),
+                             budget=min(sampling.max_new_tokens, self.settings.n_ctx - len(tokens)),
+                             tools=sampling.tools, json_schema=sampling.json_schema,
+                             stop=tuple(sampling.stop) + tuple(s for s in stops if s not in sampling.stop),
+                             reasoning_budget=sampling.reasoning_budget)
+        for schema in (output.start_schema, output.answer_schema):
+            if schema is not None:
+                self._grammar(schema)
+        return output
+
+    def _grammar(self, schema: dict):
+        from llama_cpp.llama_grammar import LlamaGrammar
+
+        try:
+            return LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+        except Exception as exc:
+            raise BadRequest(f"json_schema cannot be turned into a grammar: {exc}", field="json_schema") from None
+
+    def _sampler(self, sampling: Sampling, output: chat.Output, schema: dict | None = None):
+        """A sampler chain for one request: ``schema``'s grammar first (None: no grammar; the loop makes a new
+        chain when a schema that constrains only the answer comes due), then greedy, or
+        top-k/top-p/temperature/seed."""
+        from llama_cpp import _internals
+
+        sampler = _internals.LlamaSampler()
+        if sampling.ignore_eos:  # every end-of-generation token out of reach, before anything else samples
+            sampler.add_logit_bias(self.model.n_vocab(), {t: float("-inf") for t in self._end_ids(output.format)})
+        if schema is not None:
+            sampler.add_grammar(self.model, self._grammar(schema))
+        if sampling.temperature <= 0:
+            sampler.add_greedy()
+        else:
+            if sampling.top_k > 0:
+                sampler.add_top_k(sampling.top_k)
+            sampler.add_top_p(sampling.top_p, 1)
+            sampler.add_temp(sampling.temperature)
+            seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
+            sampler.add_dist(seed & 0xFFFFFFFF)
+        return sampler
+
+    def _eog_tokens(self) -> list[int]:
+        """The vocabulary's end-of-generation token ids (computed once)."""
+        import llama_cpp
+
+        if self._eog is None:
+            vocab = self.model.vocab
+            self._eog = [t for t in range(self.model.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)]
+        return self._eog
+
+    def _end_ids(self, fmt) -> frozenset:
+        """The token ids that end a generation read by chat format ``fmt`` (computed once per format)."""
+        if fmt.name not in self._ends:
+            def single(text):
+                ids = self._special_tokens(text)
+                return ids[0] if len(ids) == 1 else None
+            self._ends[fmt.name] = end_tokens(fmt, set(self._eog_tokens()), single)
+        return self._ends[fmt.name]
+
+    def _special_tokens(self, text: str) -> list[int]:
+        """The ids of ``text``, special tokens' text read as those tokens (what the loop feeds the model)."""
+        return self.model.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _proposer(self, sampling: Sampling):
+        """The request's draft proposer (speculate.py), or None: the request's ``speculation`` if it names one,
+        else the model's setting. The step cost is measured the first time a proposer is needed (on the owner
+        thread, between steps: a fraction of a second, once)."""
+        kind = sampling.speculation or self.settings.speculation
+        if kind != "off" and self._step_cost is None:
+            self._step_cost = self._measure_step_cost()
+            log.info("speculation: a step costs %.3f ms per ubatch + %.3f ms per token",
+                     self._step_cost.per_ubatch * 1000, self._step_cost.per_token * 1000)
+        return proposer(kind, self.settings.draft_max, self.settings.draft_min_match)
+
+    def _continue(self, seq, tokens, sampler, output: chat.Output, sampling: Sampling, *, cancelled, started,
+                  recomputed, extra, canary: dict | None = None, evaluated: Eval | None = None, drafts=None):
+        """Evaluate the prompt's last token in ``seq`` (which holds the rest), then sample the answer.
+
+        Each sampled token goes to ``output`` (``take``: the chat format's reading of it) and what it reads
+        is yielded; a token that ends the generation by the format's rules ends it, unless the format would
+        rather move the model on to its answer. Text the format has the model go on with (that opening, or
+        after a spent reasoning budget) is evaluated with the next step, and a schema that constrains only
+        the answer gets its grammar when ``schema_due`` says so.
+
+        With ``canary`` (a handed-over state; ``{}`` when its bundle carried none), the next-token
+        distribution is checked against the prefill side's first: ``CanaryMismatch`` before anything
+        is sampled when it is beyond tolerance. ``evaluated``: that token's ``Eval``, already done
+        (a streamed state's, while its canary was on its way), its row still valid. The caller closes the
+        sampler it passed; one made here is closed here.
+
+        The steps come from a ``speculate.Lookahead``: with a proposer (``drafts``) a step may verify
+        guesses, and while the token sampled from a row is the guess after it the next row is sampled
+        without a step; everything else (the format's end, stop strings, the budget, cancellation, text
+        the format feeds) is decided per token as without. Fed text ends a draft: its guesses' cells go."""
+        import llama_cpp
+
+        ends = self._end_ids(output.format)
+        special = output.format.special_text
+        budget = min(sampling.max_new_tokens, self.settings.n_ctx - len(tokens))
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        generated, fed, finish = 0, 0, "length"
+        t_gen = time.perf_counter()
+        look = Lookahead(seq, tokens, drafts, self._drop_cells)
+        ev = look.first(evaluated)
+        if evaluated is None:
+            yield ev
+        recomputed += 1
+        if canary is not None:
+            extra = {**extra, **self.canary.check(canary, self._row_logits(ev.row), self.engine,
+                                                  exact=ev.alone and self._restores_exactly(len(tokens)),
+                                                  threads=self._threads, deterministic=self.settings.deterministic)}
+        first_at = time.perf_counter()
+        own = None  # a sampler this loop made (the answer's grammar)
+        try:
+            while True:
+                token = llama_cpp.llama_sampler_sample(sampler.sampler, self.ctx.ctx, look.row)
+                kept = look.sampled(token)  # a guess the step evaluated: its KV is in place, the next row ready
+                step = output.take(None if token in ends else
+                                   decoder.decode(self.model.detokenize([token], special=special)))
+                for part in step.parts:
+                    yield Event.of(part)
+                if step.done:
+                    finish = "stop"
+                    break
+                if step.sampled:
+                    generated += 1
+                    if generated + fed >= budget or cancelled():
+                        finish = "cancelled" if cancelled() else "length"
+                        break
+                elif kept:  # the format replaces the token with text: its cell goes
+                    look.unkeep()
+                    kept = False
+                evaluate = [token] if step.sampled and not kept else []
+                if step.feed is not None:  # text the format has the model go on with (chat/output.py)
+                    ids = self._special_tokens(step.feed)
+                    if generated + fed + len(ids) >= budget:  # no room left for an answer after them
+                        break
+                    fed += len(ids)
+                    evaluate += ids
+                    for part in output.fed(step.feed, len(ids)):
+                        yield Event.of(part)
+                schema = output.schema_due()
+                if schema is not None:  # the answer opened: its grammar from the next token on
+                    if own is not None:
+                        own.close()
+                    sampler = own = self._sampler(sampling, output, schema)
+                if not kept or step.feed is not None:  # else the next row is ready without a step
+                    yield look.step(evaluate, budget - generated - fed, draft=step.feed is None)
+        finally:
+            if own is not None:
+                own.close()
+        for part in output.close(decoder.decode(b"", final=True)):
+            yield Event.of(part)
+        ended = time.perf_counter()
+        decode_time = ended - t_gen
+        metrics = {
+            "prompt_tokens": len(tokens),
+            "prompt_tokens_recomputed": recomputed,
+            "completion_tokens": generated + fed,
+            "decode_time": round(decode_time, 6),
+            "decode_speed": rate(generated, decode_time),
+            "first_token_time": round(first_at - t_gen, 6),
+            "backend_time": round(ended - started, 6),
+            "finish_reason": output.finish_reason(finish),
+            **output.metrics(),
+            **extra,
+        }
+        if drafts is not None:
+            metrics.update(speculation=sampling.speculation or self.settings.speculation, **look.finish())
+        if extra["method"] != "kv_handoff":  # the prompt was computed here: say how long it took
+            metrics["prompt_eval_time"] = round(t_gen - started, 6)
+            metrics["prompt_eval_speed"] = rate(recomputed, t_gen - started)  # the tokens evaluated here
+        yield Event(metrics=metrics)

@@ -1,0 +1,335 @@
+"""llama.cpp's slots and steps: the sequences of one context, and the ``llama_decode`` calls that evaluate them.
+
+**Slots and continuous batching.** One context holds ``parallel`` sequences,
+each in a KV stream of its own of ``n_ctx`` cells (so a request's numerics do
+not depend on its neighbours: ``kv/llama_state.py``). Every request is a
+generator that yields ``Eval`` requests; the owner thread (``server/owner.py``)
+gathers them and calls ``evaluate`` once per step: one ``llama_decode`` with a
+token for every generating sequence and, within ``n_batch``, the next fixed-size
+chunk of each prompt being evaluated (prefill, decode-only, recompute), so a
+long prompt never freezes the other streams. Requests join and leave between
+steps.
+
+**Prefix cache.** A slot that finishes keeps its prompt's KV while it is free;
+a request whose prompt starts with the same tokens (a shared system prompt, a
+rubric, an earlier chat turn) takes that slot and evaluates only the rest, as
+llama.cpp's server does with ``cache_prompt``. See ``_acquire``.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+from .base import Eval
+from .speculate import StepCost, cut_drafts
+
+# A reused prefix counts only from this many tokens on (below it the lowest free slot is worth more:
+# see ``evaluate``). ggml's CPU matmul takes another path for fewer than 64 rows: a prompt's last rows
+# computed that way after a reused prefix came out up to 0.96 apart in the logits (SmolLM2, 17-63 rows;
+# bit-identical at 64-200). ``_aligned_reuse`` therefore keeps every row in a chunk of the same kind
+# as without the cache, and the KV and logits come out bit for bit the same (tests/test_prefix_cache.py).
+PREFIX_MIN_TOKENS = 64
+
+
+class Slots:
+    """The slots and steps of ``LlamaCppBackend`` (a part of that class: it reads the context, the model, the
+    settings and the slot lists that ``LlamaCppBackend.load`` sets)."""
+
+    # -- slots ------------------------------------------------------------------------------------
+
+    def _acquire(self, tokens: list[int] | None = None) -> tuple[int, int]:
+        """A free sequence (slot) for a prompt of ``tokens``, and how many of them its KV already holds.
+
+        The free slot whose cached prompt shares the longest start with ``tokens`` when that reuses
+        ``PREFIX_MIN_TOKENS`` or more; otherwise the lowest free slot, so that busy sequences stay dense
+        from 0 (see ``evaluate``). The reuse is cut so that the rest's chunks compute their rows as
+        the cache-less evaluation does (``_aligned_reuse``). Cells past the reused prefix are dropped.
+        The owner admits no more requests than there are slots."""
+        import llama_cpp
+
+        if not self._free:
+            raise RuntimeError("no free slot: the owner admitted more requests than there are slots")
+        seq, reuse = self._free[-1], 0  # kept in descending order
+        if tokens and self._prefix_cache and self._cached:
+            limit = len(tokens) - 1 - PREFIX_MIN_TOKENS  # the prompt's last token is always evaluated
+            best, shared = max(((s, _shared_start(self._cached.get(s, ()), tokens)) for s in self._free),
+                               key=lambda c: (c[1], -c[0]))
+            reuse = _aligned_reuse(min(shared, limit), len(tokens) - 1, self.settings.n_batch)  # 0: none
+            if reuse:
+                seq = best
+        self._free.remove(seq)
+        if len(self._cached.pop(seq, ())) > reuse:
+            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx.ctx), seq, reuse, -1)
+        return seq, reuse
+
+    def _release(self, seq: int, tokens: list[int] | None = None) -> None:
+        """Free ``seq``. With the prompt's ``tokens`` (a request that ended normally) and the prefix
+        cache on, the slot keeps the KV of the prompt tokens it evaluated (what it generated is dropped:
+        only the prompt's ids are known to match a later prompt); otherwise all of it is dropped."""
+        import llama_cpp
+
+        mem = llama_cpp.llama_get_memory(self.ctx.ctx)
+        if tokens and self._prefix_cache:
+            held = min(len(tokens), llama_cpp.llama_memory_seq_pos_max(mem, seq) + 1)
+            llama_cpp.llama_memory_seq_rm(mem, seq, held, -1)
+            if held > 0:
+                self._cached[seq] = list(tokens[:held])
+        else:
+            llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
+        self._free.append(seq)
+        self._free.sort(reverse=True)
+
+    def set_threads(self, threads: int) -> None:
+        """Compute with ``threads`` CPU threads from the next step on (the owner shares the machine's
+        cores between the servers on it: ``server/cores.py``). Canaries name the count in use."""
+        import llama_cpp
+
+        llama_cpp.llama_set_n_threads(self.ctx.ctx, threads, threads)
+        if self._threads is not None:
+            self._threads = threads
+
+    # -- the batch --------------------------------------------------------------------------------
+
+    def evaluate(self, evals: list[Eval]) -> int:
+        """One step over the pending requests; returns the tokens evaluated (padding not counted).
+
+        Single tokens (generating sequences) all go in; then each prompt's next
+        chunk of up to ``n_batch`` tokens (chunk boundaries at multiples of
+        ``n_batch`` from position 0, so a prompt's numerics depend neither on what
+        ran beside it nor on a cached prefix) while room is left. An ``Eval``
+        whose tokens are all in gets ``row``. Without ``deterministic`` that is one
+        ``llama_decode``; with it, ``_evaluate_invariant``.
+
+        The batch lists its sequences in ascending id order. With a KV stream per
+        slot, llama.cpp splits a batch into ubatches with ``split_equal(...,
+        sequential=true)``, which grows a ubatch only while each next sequence id is
+        the last one plus 1: eight generating sequences listed out of order cost up
+        to eight graph evaluations per step instead of one (measured on this 2-core
+        machine: every other burst of 8 streams ran at ~75 tok/s instead of ~115,
+        as the free list handed the slots out in reverse). ``_acquire`` keeps busy
+        ids dense for the same reason.
+
+        A speculative step (``draft_acceptance``) goes in whole, with logits on every row, after its
+        guesses are cut to what pays in this step (``speculate.cut_drafts``).
+        """
+        deterministic = self.settings.deterministic
+        room, used, chosen = self._batch_capacity, 0, []
+        chunk = self.settings.n_batch
+        if deterministic and len(evals) > 1:
+            # a verify step beside other sequences would change their ubatches, and its rows would not outlive
+            # the singles' decode: with deterministic steps a sequence verifies guesses only when it is alone
+            for ev in evals:
+                if ev.draft_acceptance is not None:
+                    del ev.tokens[1:]
+                    ev.draft_acceptance = None
+        elif self._step_cost is not None:
+            cut_drafts(evals, self._step_cost, self._n_ubatch)
+        # singles and speculative steps first, then chunks
+        for ev in sorted(evals, key=lambda e: (1 if e.draft_acceptance is not None else len(e.tokens) - e.done, e.seq)):
+            left = len(ev.tokens) - ev.done
+            if ev.draft_acceptance is not None:  # whole, in this step: its rows are read together
+                del ev.tokens[max(1, room - used):]
+                take = len(ev.tokens)
+            else:
+                # chunks end at multiples of n_batch counted from position 0, wherever the Eval starts (a prompt
+                # after a cached prefix is cut where the whole prompt would be: see _aligned_reuse)
+                take = min(chunk - (ev.pos + ev.done) % chunk, left)
+                if deterministic and ev.logits and left > 1:
+                    take = min(take, left - 1)  # the token whose logits are wanted goes in as a single, next step
+            if take <= room - used:
+                chosen.append((ev, take))
+                used += take
+        if not chosen:
+            return 0
+        if deterministic:
+            return self._evaluate_invariant(chosen)
+        self._decode(chosen)
+        for ev, _ in chosen:
+            ev.alone = len(chosen) == 1
+        return used
+
+    def _evaluate_invariant(self, chosen: list[tuple[Eval, int]]) -> int:
+        """A step whose every row is computed as it would be with no other sequence beside it.
+
+        Measured (docs/ARCHITECTURE.md, Determinism): ggml's CPU kernels compute a
+        ubatch of one sequence otherwise than one of several (flash attention splits a
+        lone query's cells across the threads from 512 cells on: SmolLM2 at 2 threads,
+        0.5-0.66 apart), and llama.cpp's ``split_equal`` gives a ubatch as many tokens
+        of each sequence as its shortest one has, so a prompt chunk beside generating
+        tokens was cut into other row counts (Gemma 3 without flash attention: 1.0). Hence each
+        prompt chunk in a ``llama_decode`` of its own, as when it is alone; and the
+        single tokens in one ``llama_decode`` where no ubatch holds one sequence only:
+        a single whose neighbouring ids bring no token (``split_equal`` groups only
+        consecutive ids) gets a throwaway row in a neighbouring slot's stream, one
+        position past what that stream holds (with one slot: in its own, the next
+        position), whose cell is dropped after the step.
+        Only singles want logits (``evaluate``), and they go last, so their rows stay
+        readable until the next step."""
+        import llama_cpp
+
+        mem = llama_cpp.llama_get_memory(self.ctx.ctx)
+        total, unpadded = 0, set()
+        for ev, take in chosen:
+            if take > 1:  # a prompt chunk, or a verify step (alone in its step: every row an output)
+                self._decode([(ev, take)], [] if ev.draft_acceptance is not None else None)
+                total += take
+        singles = [(ev, take) for ev, take in chosen if take == 1]
+        if singles:
+            ids = {ev.seq for ev, _ in singles}
+            pads = []
+            for ev, _ in singles:
+                beside = ids | {p[0] for p in pads}
+                if ev.seq - 1 in beside or ev.seq + 1 in beside:
+                    continue  # beside another single or a padding row
+                for other in (ev.seq + 1, ev.seq - 1):
+                    if 0 <= other < self.slots:
+                        held = llama_cpp.llama_memory_seq_pos_max(mem, other) + 1
+                        if held < self.settings.n_ctx:
+                            pads.append((other, held, ev.tokens[ev.done]))
+                            break
+                else:  # one slot, or both neighbours' streams full
+                    if self._fingerprint.get("n_swa"):
+                        # a row past a sliding window's end may take a cell the window still needs: alone,
+                        # as a one-slot server always is (and such a model's canary is never held exact)
+                        unpadded.add(ev.seq)
+                    else:  # the row in its own stream: measured the same as one beside it (tiny llama, SmolLM2)
+                        pads.append((ev.seq, ev.pos + ev.done + 1, ev.tokens[ev.done]))
+            self._decode(singles, pads)
+            total += len(singles)
+            for seq, pos, _ in pads:
+                llama_cpp.llama_memory_seq_rm(mem, seq, pos, -1)
+        for ev, _ in chosen:
+            ev.alone = ev.seq not in unpadded or self.slots == 1  # its numerics are those of a step of its own
+        return total
+
+    def _decode(self, chosen: list[tuple[Eval, int]], pads=None) -> None:
+        """One ``llama_decode`` of ``take`` tokens of each ``Eval`` and the throwaway rows ``pads``
+        (``(seq, pos, token)``), in ascending sequence ids; advances the ``Eval``s and sets ``row``.
+        With ``pads`` (a list, maybe empty: the singles of a deterministic step) every row is an output:
+        llama.cpp computes the last layer's feed-forward and the output matrix for the output rows
+        only, and one output row takes another matmul path than two or more (5e-7 on the tiny llama)."""
+        import llama_cpp
+
+        b, n = self._batch, 0
+        placed = []
+        every = pads is not None
+        rows = [(ev.seq, ev, take) for ev, take in chosen] + [(seq, (pos, token), 0) for seq, pos, token in pads or ()]
+        for seq, ev, take in sorted(rows, key=lambda r: r[0]):
+            if not take:  # padding
+                pos, token = ev
+                b.token[n], b.pos[n], b.n_seq_id[n], b.logits[n] = token, pos, 1, True
+                b.seq_id[n][0] = seq
+                n += 1
+                continue
+            for i in range(ev.done, ev.done + take):
+                b.token[n] = ev.tokens[i]
+                b.pos[n] = ev.pos + i
+                b.n_seq_id[n] = 1
+                b.seq_id[n][0] = ev.seq
+                b.logits[n] = every or (ev.logits and (i == len(ev.tokens) - 1 or ev.draft_acceptance is not None))
+                n += 1
+            placed.append((ev, take, n - 1))
+        b.n_tokens = n
+        self._batches += 1
+        rc = llama_cpp.llama_decode(self.ctx.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed ({rc}) for a batch of {n} tokens")
+        for ev, take, last in placed:
+            ev.done += take
+            if ev.complete:
+                ev.row = last
+
+    def _row_logits(self, row: int):
+        """The next-token logits of batch row ``row`` of the last step (a view, valid until the next step)."""
+        import llama_cpp
+        import numpy as np
+
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx.ctx, row)
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab(),))
+
+    def _evaluate_all_but_last(self, seq: int, tokens: list[int], start: int = 0):
+        """Generator: evaluate ``tokens[start:-1]`` into ``seq`` (which holds ``tokens[:start]``)."""
+        if len(tokens) - 1 > start:
+            yield Eval(seq, tokens[start:-1], start, logits=False)
+
+    def _drop_cells(self, seq: int, pos: int) -> None:
+        """Remove sequence ``seq``'s KV from position ``pos`` on (speculation's rejected guesses)."""
+        import llama_cpp
+
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx.ctx), seq, pos, -1)
+
+    # -- in-process use (tests, benchmarks, tools): one request at a time on the calling thread ---
+
+    @contextlib.contextmanager
+    def sequence(self):
+        """A slot of this context for in-process use; its cells are freed afterwards."""
+        seq, _ = self._acquire()
+        try:
+            yield seq
+        finally:
+            self._release(seq)
+
+    def logits(self, seq: int, tokens: list[int], pos: int = 0):
+        """Evaluate ``tokens`` into ``seq`` from ``pos``; the last one's next-token logits (a numpy copy)."""
+        ev = Eval(seq, list(tokens), pos)
+        while not ev.complete:
+            self.evaluate([ev])
+        return self._row_logits(ev.row).copy()
+
+    def _measure_step_cost(self, rounds: int = 5, sizes=(1, 2, 4, 8), context: int = 64) -> StepCost:
+        """What a step costs this model here, for speculation to decide which drafts pay: one sequence's steps
+        of ``sizes`` tokens (logits on every row, as a verify step) after a ``context``-token prompt, in a
+        free slot, ``rounds`` times after a warm-up; ``StepCost.fit`` through the medians."""
+        import llama_cpp
+
+        context = max(1, min(context, self.settings.n_ctx - max(sizes)))
+        sizes = [n for n in sizes if context + n <= self.settings.n_ctx]
+        if len(sizes) < 2:
+            return StepCost()
+        text = b"Every row of the quarterly sales table lists a store, a region and its revenue. "
+        ids = self.model.tokenize(text * (1 + (context + max(sizes)) // 8), add_bos=True, special=False)
+        mem = llama_cpp.llama_get_memory(self.ctx.ctx)
+        seq, _ = self._acquire()
+        timings: dict[int, list[float]] = {n: [] for n in sizes}
+        try:
+            self.logits(seq, ids[:context])
+            for round_ in range(rounds + 1):
+                for n in sizes:
+                    ev = Eval(seq, ids[context:context + n], context, draft_acceptance=1.0)
+                    started = time.perf_counter()
+                    self.evaluate([ev])
+                    if round_:  # the first round warms up
+                        timings[n].append(time.perf_counter() - started)
+                    llama_cpp.llama_memory_seq_rm(mem, seq, context, -1)
+        finally:
+            self._release(seq)
+        return StepCost.fit(timings)
+
+
+def _shared_start(a, b) -> int:
+    """How many leading items ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _aligned_reuse(reuse: int, m: int, chunk: int) -> int:
+    """How much of a shared start of ``reuse`` tokens to reuse for a prompt of ``m`` tokens to evaluate
+    (all but its last) in chunks of ``chunk``, so that every row left is computed as without the cache.
+
+    Without the cache the rows lie in chunks ``[0, chunk), [chunk, 2 chunk), ...``: full ones, and a
+    last one that may be short. ``evaluate`` keeps those boundaries after a reused prefix, so only the
+    first chunk of the rest differs, ``[reuse, next boundary)``; it must have ``PREFIX_MIN_TOKENS``
+    rows or more when its rows were in a long chunk, and a short last chunk (fewer than that) must be
+    evaluated whole, as it was. 0 when too little is left to reuse."""
+    if chunk < PREFIX_MIN_TOKENS:
+        return 0
+    last = ((m - 1) // chunk) * chunk  # where the cache-less evaluation's last chunk starts
+    if m - last < PREFIX_MIN_TOKENS:  # a short last chunk: evaluated whole
+        reuse = min(reuse, last)
+    end = min(m, reuse - reuse % chunk + chunk)  # the first chunk of the rest ends here
+    if reuse % chunk and end - reuse < PREFIX_MIN_TOKENS:
+        reuse = end - PREFIX_MIN_TOKENS
+    return reuse if reuse >= PREFIX_MIN_TOKENS else 0
