@@ -21,6 +21,7 @@ from .sandbox_runner import summarize
 RAN, OFF, UNAVAILABLE, FAILED = "ran", "off", "unavailable", "failed"
 REL_TOLERANCE, ABS_TOLERANCE = 1e-4, 1e-9   # numbers in text outputs: equal within these
 _TOKEN = re.compile(r"0x[0-9a-fA-F]+|[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?|\S+")
+_CELL_FILE = re.compile(r"\(\d+\.py, line (\d+)\)")  # IPython's name for a cell's code differs between runs
 _NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?$")
 FAILING = ("error", "timeout", "died")
 
@@ -193,7 +194,7 @@ def read_run(raw, notebook, rubric, limits: ExecutionLimits) -> Rerun:
             continue
         error = r.get("error") if isinstance(r.get("error"), dict) else {}
         record = {"status": _s(r.get("status"), 20), "why": _s(r.get("why")), "ename": _s(error.get("ename"), 100),
-                  "evalue": _s(error.get("evalue"))}
+                  "evalue": _CELL_FILE.sub(r"(line \1)", _s(error.get("evalue")))}
         if record["status"] == "not_run":
             run.not_run.append({"cell": number, "why": record["why"]})
             continue
