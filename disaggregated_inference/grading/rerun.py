@@ -214,8 +214,7 @@ def read_run(raw, notebook, rubric, limits: ExecutionLimits) -> Rerun:
             run.differs.append({"cell": number, "what": diff})
         else:
             run.matched += 1
-    attempts = end.get("attempts") if isinstance(end, dict) and isinstance(end.get("attempts"), list) else []
-    for a in attempts[:50]:
+    for a in raw.attempts[:50]:
         if isinstance(a, dict):
             incident = _attempt_incident(_s(a.get("kind"), 20), _s(a.get("what"), 200))
             if incident:

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
 INSIDE_RUNNER = "/opt/grader/sandbox_runner.py"
+INSIDE_AUDIT = "/opt/audit"  # what the kernel's audit hook saw the notebook try (sandbox_runner.AUDIT_FILE)
+MAX_AUDIT_BYTES = 1 << 16
 HOME = "/home/student"
 MAX_REPORT_BYTES = 4 << 20   # what the grader reads of the runner's report; the rest is dropped
 MAX_STDERR_BYTES = 4096      # the runner's stderr kept for a diagnosis
@@ -72,6 +74,7 @@ class RawRun:
     seconds: float
     stderr: str
     truncated: bool      # the report was longer than MAX_REPORT_BYTES
+    attempts: list       # what the notebook tried that the sandbox stops ({kind, what}), parsed, unchecked
 
 
 def _bwrap_paths() -> list[str]:
@@ -121,7 +124,7 @@ class Sandbox:
         # root: a user of its own per sandbox (RLIMIT_NPROC counts a user's processes, and root has no limit)
         return 1_000_000 + (os.getpid() % 4096) * 256 + next(_UIDS) % 256
 
-    def command(self, private: Path, limits: ExecutionLimits, uid: int | None) -> list[str]:
+    def command(self, private: Path, audit: Path, limits: ExecutionLimits, uid: int | None) -> list[str]:
         mb = 1 << 20
         cmd = [self.prlimit, f"--as={limits.memory_mb * mb}", f"--cpu={limits.cpu_s}:{limits.cpu_s + 5}",
                f"--nproc={limits.processes}", f"--fsize={limits.file_mb * mb}", "--nofile=256", "--core=0", "--",
@@ -131,6 +134,7 @@ class Sandbox:
             cmd += ["--unshare-user", "--cap-drop", "ALL"]
         cmd += _bwrap_paths() + _environment()
         cmd += ["--perms", "0755", "--dir", "/opt/grader", "--ro-bind", str(RUNNER), INSIDE_RUNNER,
+                "--perms", "0755", "--dir", INSIDE_AUDIT, "--bind", str(audit), INSIDE_AUDIT,
                 "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(limits.tmp_mb * mb), "--tmpfs",
                 "/tmp", "--perms", "0755", "--dir", "/home", "--bind", str(private), HOME, "--chdir", HOME, "--"]
         if uid is not None:  # root: become the sandbox's own user, with no capabilities, before any of its code
@@ -144,20 +148,23 @@ class Sandbox:
         for what the notebook does."""
         limits = limits or ExecutionLimits()
         root = Path(tempfile.mkdtemp(prefix="grader-sandbox-"))
-        private = root / "home"
+        private, audit = root / "home", root / "audit"
         private.mkdir(mode=0o700)
+        audit.mkdir(mode=0o700)
         uid = self._uid() if self.as_root else None
         try:
             shutil.copyfile(notebook, private / name)
             for data in data_files:
                 shutil.copyfile(data, private / Path(data).name)
             if uid is not None:
-                for path in [private, *private.iterdir()]:
+                for path in [private, audit, *private.iterdir()]:
                     os.chown(path, uid, uid)
             job = {"notebook": name, "tests": list(tests), "cell_timeout": limits.cell_timeout_s,
                    "deadline": max(5.0, limits.notebook_timeout_s - 3.0), "output_limit": limits.output_kb * 1024,
                    "text_limit": limits.text_chars}
-            return self._execute(self.command(private, limits, uid), job, limits)
+            run = self._execute(self.command(private, audit, limits, uid), job, limits)
+            run.attempts = _read_attempts(audit / "kernel.jsonl")
+            return run
         finally:
             shutil.rmtree(root, ignore_errors=True)
 
@@ -209,7 +216,27 @@ class Sandbox:
             if isinstance(record, dict):
                 records.append(record)
         return RawRun(records, proc.returncode, killed, round(time.monotonic() - started, 3),
-                      bytes(errors).decode("utf-8", "replace"), state["truncated"])
+                      bytes(errors).decode("utf-8", "replace"), state["truncated"], [])
+
+
+def _read_attempts(path: Path) -> list:
+    """The audit hook's lines, written where the notebook could write too: data, size-limited, never trusted."""
+    try:
+        if path.is_symlink() or not path.is_file():
+            return []
+        with open(path, "rb") as f:
+            text = f.read(MAX_AUDIT_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return []
+    attempts = []
+    for line in text.splitlines()[:50]:
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict):
+            attempts.append(item)
+    return attempts
 
 
 PROBE_NOTEBOOK = {"cells": [{"cell_type": "code", "execution_count": None, "id": "probe", "metadata": {},

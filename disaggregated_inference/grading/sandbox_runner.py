@@ -21,8 +21,9 @@ import time
 
 IMAGE_MIMES = ("image/png", "image/jpeg", "image/svg+xml", "application/vnd.plotly.v1+json",
                "application/vnd.vegalite.v4+json", "application/vnd.vegalite.v5+json")
-AUDIT_FILE = "/tmp/.kernel-audit"
+AUDIT_FILE = "/opt/audit/kernel.jsonl"  # a folder of its own, read by the grader after the run
 KERNEL_NAME = "grader-sandbox"
+PROBE_TIMEOUT = 3  # s: after a cell's time limit and an interrupt, how long the kernel has to answer again
 
 
 # -- the kernel's audit hook: what the notebook tried, for the report (containment never depends on it) -----
@@ -49,7 +50,7 @@ def install_audit_hook() -> None:
     home = os.environ.get("HOME", "/home/student")
     readable = (home, "/tmp", sys.prefix, sys.base_prefix, os.path.realpath(sys.prefix), "/usr", "/etc", "/dev",
                 "/proc", "/sys", "/opt/grader")  # /proc and /sys show the sandbox's own processes only
-    writable = (home, "/tmp", "/dev/null")
+    writable = (home, "/tmp", "/dev/null", "/opt/audit")
     fd = os.open(AUDIT_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     seen: dict = {}
     me = os.getpid()
@@ -74,8 +75,9 @@ def install_audit_hook() -> None:
                     (flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC))
                 if writes and _outside(path, writable):
                     record("write", path)
-                elif not writes and _outside(path, readable):
-                    record("read", path)
+                elif not writes and (_outside(path, readable) or (not _outside(path, ("/tmp",))
+                                                                   and not os.path.exists(path))):
+                    record("read", path)  # (a path under /tmp that is not in its own /tmp: the grader's)
             elif event in ("os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.chmod", "shutil.rmtree"):
                 if isinstance(args[0], (str, bytes)) and _outside(os.fsdecode(args[0]), writable):
                     record("write", os.fsdecode(args[0]))
@@ -181,7 +183,8 @@ def run_main() -> int:
 
     nb = nbformat.read(job["notebook"], as_version=4)
     client = CappedClient(nb, timeout=cell_timeout, kernel_name=KERNEL_NAME, allow_errors=True,
-                          interrupt_on_timeout=True, record_timing=False, resources={"metadata": {"path": os.getcwd()}})
+                          interrupt_on_timeout=True, record_timing=False, iopub_timeout=2,
+                          error_on_timeout={"ename": "CellTimeoutError", "evalue": "time limit", "traceback": []}, resources={"metadata": {"path": os.getcwd()}})
     stopped = None  # why the remaining cells and tests were not run
 
     def kernel_exit() -> str | None:
@@ -190,6 +193,17 @@ def run_main() -> int:
         if code is None:
             return None
         return signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_ else str(code)
+
+    def responsive() -> bool:
+        """After an interrupt: does the kernel run a cell again (or is the notebook's code ignoring it)?"""
+        probe = nbformat.v4.new_code_cell("pass")
+        nb.cells.append(probe)
+        client.timeout, client.timed_out = PROBE_TIMEOUT, False
+        try:
+            client.execute_cell(probe, len(nb.cells) - 1)
+        except (CellTimeoutError, DeadKernelError):
+            return False
+        return not client.timed_out
 
     def run_cell(cell, index: int) -> dict:
         nonlocal stopped
@@ -212,6 +226,8 @@ def run_main() -> int:
         summary = summarize(cell.get("outputs", []), text_limit)
         if client.timed_out:
             status, why = "timeout", f"ran past its time limit of {client.timeout} s and was interrupted"
+            if not responsive():
+                stopped = f"cell {index + 1} ran past its time limit and did not stop when interrupted"
         elif status == "ok" and summary["error"]:
             status = "error"
         return {"status": status, "why": why, "seconds": round(time.monotonic() - began, 3), **summary}
@@ -229,13 +245,8 @@ def run_main() -> int:
                       "error": result.get("error")})
     except Exception as exc:  # noqa: BLE001 - e.g. the kernel never started: the grader reports it
         emit({"kind": "failure", "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
-    try:
-        with open(AUDIT_FILE) as f:
-            attempts = [json.loads(line) for line in f.read(1 << 16).splitlines()[:50] if line.strip()]
-    except (OSError, ValueError):
-        attempts = []
     emit({"kind": "end", "seconds": round(time.monotonic() - started, 3), "flooded": client.flooded,
-          "output_bytes": client.kept, "stopped": stopped, "attempts": attempts})
+          "output_bytes": client.kept, "stopped": stopped})
     return 0
 
 
