@@ -303,7 +303,7 @@ def test_a_class_with_hostile_notebooks_is_graded_in_one_run(sandbox, outside, t
         hostile_notebook(folder, kind, outside)
     rubric_file = tmp_path / "rubric.yaml"
     text = (EXAMPLES / "rubric.yaml").read_text().replace("notebooks/sales.csv", str(SALES))
-    rubric_file.write_text(text.replace("cell_timeout: 30", "cell_timeout: 3").replace("timeout: 120", "timeout: 30"))
+    rubric_file.write_text(text.replace("cell_timeout: 30", "cell_timeout: 10").replace("timeout: 120", "timeout: 30"))
     rubric = load_rubric(rubric_file)
     started = time.monotonic()
     batch = grade_batch(folder, rubric, FakeGradingClient(), tmp_path / "out", GradingOptions(execute=True), jobs=4)
@@ -315,7 +315,10 @@ def test_a_class_with_hostile_notebooks_is_graded_in_one_run(sandbox, outside, t
     for kind in kinds:
         result = by_name[kind]
         assert result["status"] == "needs_review", kind
-        assert any(r.startswith("contained in the sandbox: ") and HOSTILE[kind][1] in r
+        expected = [HOSTILE[kind][1].replace("limit of 3 s", "limit of 10 s").replace("limit of 32", "limit of 64")]
+        if kind == "fork_bomb":  # on a busy machine it may reach its time limit before its process limit
+            expected.append("ran longer than its time limit of 10 s")
+        assert any(r.startswith("contained in the sandbox: ") and any(e in r for e in expected)
                    for r in result["review_reasons"]), (kind, result["review_reasons"])
         md = (tmp_path / "out" / f"{kind}.md").read_text()
         assert "**stopped by the sandbox:**" in md

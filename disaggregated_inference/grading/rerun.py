@@ -156,7 +156,8 @@ def _cell_incident(cell: int, record: dict, limits: ExecutionLimits) -> str | No
     return None
 
 
-def _attempt_incident(kind: str, what: str) -> str | None:
+def _attempt_incident(kind: str, targets: list[str]) -> str | None:
+    what = ", ".join(targets[:3]) + (f" and {len(targets) - 3} more" if len(targets) > 3 else "")
     return {
         "network": f"the notebook tried to open a network connection ({what}) and was stopped: the sandbox has no "
                    f"network",
@@ -214,11 +215,14 @@ def read_run(raw, notebook, rubric, limits: ExecutionLimits) -> Rerun:
             run.differs.append({"cell": number, "what": diff})
         else:
             run.matched += 1
+    by_kind: dict[str, list[str]] = {}
     for a in raw.attempts[:50]:
         if isinstance(a, dict):
-            incident = _attempt_incident(_s(a.get("kind"), 20), _s(a.get("what"), 200))
-            if incident:
-                incidents.append(incident)
+            by_kind.setdefault(_s(a.get("kind"), 20), []).append(_s(a.get("what"), 200))
+    for kind, targets in by_kind.items():
+        incident = _attempt_incident(kind, targets)
+        if incident:
+            incidents.append(incident)
     if any("network connection (" in i for i in incidents):  # the attempt says where: one line is enough
         incidents = [i for i in incidents if "network connection and was stopped" not in i]
     if isinstance(end, dict) and end.get("flooded"):

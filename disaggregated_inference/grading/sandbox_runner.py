@@ -23,7 +23,7 @@ IMAGE_MIMES = ("image/png", "image/jpeg", "image/svg+xml", "application/vnd.plot
                "application/vnd.vegalite.v4+json", "application/vnd.vegalite.v5+json")
 AUDIT_FILE = "/opt/audit/kernel.jsonl"  # a folder of its own, read by the grader after the run
 KERNEL_NAME = "grader-sandbox"
-PROBE_TIMEOUT = 3  # s: after a cell's time limit and an interrupt, how long the kernel has to answer again
+PROBE_TIMEOUT = 5  # s: after a cell's time limit and an interrupt, how long the kernel has to answer again
 
 
 # -- the kernel's audit hook: what the notebook tried, for the report (containment never depends on it) -----
@@ -48,7 +48,8 @@ def _descendant(pid: int, ancestor: int) -> bool:
 
 def install_audit_hook() -> None:
     home = os.environ.get("HOME", "/home/student")
-    readable = (home, "/tmp", sys.prefix, sys.base_prefix, os.path.realpath(sys.prefix), "/usr", "/etc", "/dev",
+    own_tmp = ("/tmp/matplotlib", "/tmp/jupyter", "/tmp/ipython")  # the kernel's, in its own /tmp (and ipykernel_N)
+    readable = (home, sys.prefix, sys.base_prefix, os.path.realpath(sys.prefix), "/usr", "/etc", "/dev",
                 "/proc", "/sys", "/opt/grader")  # /proc and /sys show the sandbox's own processes only
     writable = (home, "/tmp", "/dev/null", "/opt/audit")
     fd = os.open(AUDIT_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -75,9 +76,10 @@ def install_audit_hook() -> None:
                     (flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC))
                 if writes and _outside(path, writable):
                     record("write", path)
-                elif not writes and (_outside(path, readable) or (not _outside(path, ("/tmp",))
-                                                                   and not os.path.exists(path))):
-                    record("read", path)  # (a path under /tmp that is not in its own /tmp: the grader's)
+                elif not writes and _outside(path, readable) and (
+                        _outside(path, ("/tmp",)) or not (os.path.exists(path) or not _outside(path, own_tmp)
+                                                          or path.startswith("/tmp/ipykernel_"))):
+                    record("read", path)  # (under /tmp: one that is not in its own /tmp, i.e. the grader's)
             elif event in ("os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.chmod", "shutil.rmtree"):
                 if isinstance(args[0], (str, bytes)) and _outside(os.fsdecode(args[0]), writable):
                     record("write", os.fsdecode(args[0]))
@@ -92,6 +94,24 @@ def install_audit_hook() -> None:
             pass
 
     sys.addaudithook(hook)
+
+
+def end_strays(keep: set) -> int:
+    """Kill every process of the sandbox but this one and the kernel (and bwrap's init, which it cannot): what a
+    cell left behind, a fork bomb's processes first of all. Returns how many were killed."""
+    killed = 0
+    for _ in range(50):  # a fork bomb's processes fork while they are being killed: until none is left
+        strays = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in keep and int(p) != 1]
+        if not strays:
+            break
+        for pid in strays:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except OSError:
+                pass
+        time.sleep(0.01)
+    return killed
 
 
 def kernel_main(argv: list[str]) -> None:
@@ -223,6 +243,9 @@ def run_main() -> int:
             exited = kernel_exit()
             status, why = "died", "the kernel died" + (f" ({exited})" if exited else "")
             stopped = f"the kernel died in cell {index + 1}" + (f" ({exited})" if exited else "")
+        process = getattr(getattr(client.km, "provisioner", None), "process", None)
+        if process is not None and os.getpid() != 1:
+            end_strays({os.getpid(), process.pid})
         summary = summarize(cell.get("outputs", []), text_limit)
         if client.timed_out:
             status, why = "timeout", f"ran past its time limit of {client.timeout} s and was interrupted"
