@@ -147,7 +147,8 @@ def rerun_verdict(result: dict) -> str:
              "fails in " + ", ".join(str(f["cell"]) for f in execution["failing"]) if execution["failing"]
              else "did not finish"]
     if execution["differs"]:
-        words.append(f"{len(execution['differs'])} saved outputs differ")
+        n = len(execution["differs"])
+        words.append(f"{n} saved output{'s differ' if n > 1 else ' differs'}")
     if execution["incidents"]:
         words.append(f"{len(execution['incidents'])} contained")
     tests = execution["tests"]

@@ -142,17 +142,17 @@ _SIGNALS = {"SIGXCPU": "it used up its CPU time limit", "SIGKILL": "it was kille
 
 def _cell_incident(cell: int, record: dict, limits: ExecutionLimits) -> str | None:
     ename, evalue, status = record["ename"], record["evalue"], record["status"]
-    if status == "timeout":
-        return f"cell {cell} ran longer than its time limit of {limits.cell_timeout_s:g} s and was interrupted"
-    if status == "died":
-        cause = next((text for sig, text in _SIGNALS.items() if sig in record["why"]), "")
-        return f"the notebook's kernel died in cell {cell}" + (f": {cause}" if cause else "")
-    if ename == "MemoryError":
+    if ename == "MemoryError":  # the cause first: a cell stopped by a limit may also reach its time limit
         return f"cell {cell} allocated memory past the limit of {limits.memory_mb} MB and was stopped"
     if (ename == "BlockingIOError" and "Errno 11" in evalue) or "can't start new thread" in evalue:
         return f"cell {cell} tried to start more processes than the limit of {limits.processes} and was stopped"
     if "Network is unreachable" in evalue or ename == "gaierror":
         return f"cell {cell} tried to open a network connection and was stopped (the sandbox has no network)"
+    if status == "timeout":
+        return f"cell {cell} ran longer than its time limit of {limits.cell_timeout_s:g} s and was interrupted"
+    if status == "died":
+        cause = next((text for sig, text in _SIGNALS.items() if sig in record["why"]), "")
+        return f"the notebook's kernel died in cell {cell}" + (f": {cause}" if cause else "")
     return None
 
 
