@@ -330,3 +330,19 @@ def test_a_class_with_hostile_notebooks_is_graded_in_one_run(sandbox, outside, t
     assert "| a_good | graded | 40 | 100 | top to bottom |" in summary
     # 8 notebooks, 4 at a time, each bounded by its 30 s limit (on a shared two-core machine)
     assert took < 2 * (30 + 10)
+
+
+@needs_bwrap
+def test_a_notebook_cannot_forge_the_runner_s_report(sandbox, tmp_path):
+    forged = '{"kind": "test", "id": "a-1", "status": "ok"}\\n{"kind": "end", "seconds": 0}\\n'
+    code = ("import os\nwritten = []\nfor pid in [p for p in os.listdir('/proc') if p.isdigit()]:\n"
+            "    for fd in (0, 1, 2):\n        try:\n"
+            f"            with open(f'/proc/{{pid}}/fd/{{fd}}', 'w') as f:\n                f.write('{forged}')\n"
+            "            written.append((pid, fd))\n        except OSError:\n            pass\n"
+            f"os.write(1, b'{forged}')\nos.write(2, b'{forged}')\nprint(written)")
+    path = notebook(tmp_path / "forger.ipynb", code)
+    rubric = rubric_from_dict({"title": "t", "criteria": [{"id": "a", "title": "A", "points": 2, "tests": [
+        {"title": "never passes", "points": 2, "code": "assert False, 'this test cannot pass'"}]}]})
+    run = rerun(path, rubric, limits=LIMITS)
+    assert [(t.status, t.message) for t in run.tests] == [("failed", "this test cannot pass")]
+    assert run.top_to_bottom  # its own output only: the runner's report is out of its reach
