@@ -346,3 +346,25 @@ def test_a_notebook_cannot_forge_the_runner_s_report(sandbox, tmp_path):
     run = rerun(path, rubric, limits=LIMITS)
     assert [(t.status, t.message) for t in run.tests] == [("failed", "this test cannot pass")]
     assert run.top_to_bottom  # its own output only: the runner's report is out of its reach
+
+
+@needs_bwrap
+def test_a_stopped_batch_ends_the_re_runs_and_grades_them_next_time(sandbox, tmp_path):
+    folder = tmp_path / "class"
+    folder.mkdir()
+    notebook(folder / "loop.ipynb", "while True:\n    pass")
+    rubric = rubric_from_dict({"title": "t", "execution": {"cell_timeout": 600, "timeout": 900},
+                               "criteria": [{"id": "a", "title": "A", "points": 1}]})
+    stop = threading.Event()
+
+    def progress(p):
+        if p.elapsed_s > 2:
+            stop.set()
+
+    started = time.monotonic()
+    batch = grade_batch(folder, rubric, FakeGradingClient(), tmp_path / "out", GradingOptions(execute=True),
+                        progress=progress, stop=stop)
+    assert time.monotonic() - started < 15  # not the re-run's 600 s
+    assert batch.stopped and batch.not_graded == ["loop"] and not (tmp_path / "out" / "loop.json").exists()
+    from disaggregated_inference.grading import sandbox as sandbox_module
+    assert not sandbox_module._RUNNING

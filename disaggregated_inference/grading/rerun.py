@@ -18,7 +18,7 @@ from pathlib import Path
 from .sandbox import ExecutionLimits, find_sandbox
 from .sandbox_runner import summarize
 
-RAN, OFF, UNAVAILABLE, FAILED = "ran", "off", "unavailable", "failed"
+RAN, OFF, UNAVAILABLE, FAILED, STOPPED = "ran", "off", "unavailable", "failed", "stopped"
 REL_TOLERANCE, ABS_TOLERANCE = 1e-4, 1e-9   # numbers in text outputs: equal within these
 _TOKEN = re.compile(r"0x[0-9a-fA-F]+|[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?|\S+")
 _CELL_FILE = re.compile(r"\(\d+\.py, line (\d+)\)")  # IPython's name for a cell's code differs between runs
@@ -87,7 +87,7 @@ class TestOutcome:
 
 @dataclass
 class Rerun:
-    status: str                                   # ran, off, unavailable, failed
+    status: str                                   # ran, off, unavailable, failed, stopped
     reason: str = ""                              # why it did not run (off, unavailable, failed)
     seconds: float | None = None
     failing: list = field(default_factory=list)   # {cell, status, ename, evalue, why}
@@ -172,6 +172,8 @@ def _attempt_incident(kind: str, targets: list[str]) -> str | None:
 
 def read_run(raw, notebook, rubric, limits: ExecutionLimits) -> Rerun:
     """The evidence of one sandbox run (``sandbox.RawRun``) against the notebook's saved outputs."""
+    if raw.cancelled:  # the batch was stopped: this notebook is graded again on the next run
+        return not_run(rubric, STOPPED, "the grading was stopped")
     cells, tests, end, failure = {}, {}, None, None
     for r in raw.records:
         kind = r.get("kind")

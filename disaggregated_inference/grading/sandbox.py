@@ -47,6 +47,22 @@ MAX_STDERR_BYTES = 4096      # the runner's stderr kept for a diagnosis
 ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives", "/etc/fonts",
              "/etc/localtime", "/etc/mime.types")
 _UIDS = itertools.count()
+_RUNNING: set = set()         # the sandboxes' processes now running (end_all stops them)
+_ENDED: set = set()           # those end_all stopped: their runs say so (RawRun.cancelled)
+_RUNNING_LOCK = threading.Lock()
+
+
+def end_all() -> int:
+    """Kill every sandbox this process has running (a stopped batch): each ends with its PID namespace."""
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+        _ENDED.update(proc.pid for proc in running)
+    for proc in running:
+        try:
+            os.killpg(proc.pid, 9)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return len(running)
 
 
 @dataclass(frozen=True)
@@ -75,6 +91,7 @@ class RawRun:
     stderr: str
     truncated: bool      # the report was longer than MAX_REPORT_BYTES
     attempts: list       # what the notebook tried that the sandbox stops ({kind, what}), parsed, unchecked
+    cancelled: bool = False  # ended by the grader's stop (end_all), not by the notebook
 
 
 def _bwrap_paths() -> list[str]:
@@ -172,6 +189,16 @@ class Sandbox:
         started = time.monotonic()
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True)
+        with _RUNNING_LOCK:
+            _RUNNING.add(proc)
+        try:
+            return self._collect(proc, job, limits, started)
+        finally:
+            with _RUNNING_LOCK:
+                _RUNNING.discard(proc)
+                _ENDED.discard(proc.pid)
+
+    def _collect(self, proc, job: dict, limits: ExecutionLimits, started: float) -> RawRun:
         report, errors = bytearray(), bytearray()
         state = {"truncated": False}
 
@@ -215,8 +242,10 @@ class Sandbox:
                 continue
             if isinstance(record, dict):
                 records.append(record)
+        with _RUNNING_LOCK:
+            cancelled = proc.pid in _ENDED
         return RawRun(records, proc.returncode, killed, round(time.monotonic() - started, 3),
-                      bytes(errors).decode("utf-8", "replace"), state["truncated"], [])
+                      bytes(errors).decode("utf-8", "replace"), state["truncated"], [], cancelled)
 
 
 def _read_attempts(path: Path) -> list:
