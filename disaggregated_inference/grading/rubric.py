@@ -15,8 +15,9 @@ A rubric file looks like (``examples/rubric.yaml``)::
           functions: [groupby, plot]                # called or defined ("pd.read_csv" matches dotted)
           constructs: [function_def]                # from CONSTRUCTS
           chart: true                               # a chart output is in the notebook
-          runs_clean: true                          # no syntax errors, no error outputs
-          executed: true                            # every code cell was run
+          runs_clean: true                          # no syntax errors, no error outputs (re-run: no cell fails)
+          executed: true                            # every code cell was run (re-run: and its saved outputs
+                                                    # match the re-run's, numbers within 1e-4, charts by presence)
           markdown_words: 40                        # at least this many words of explanation
           points: {chart: 6}                        # optional: points of a rule (the rest share the rest)
         model_band: 0.25                            # optional; see below

@@ -74,7 +74,7 @@ class ExecutionLimits:
     processes: int = 64                 # processes and threads of the sandbox's user
     file_mb: int = 64                   # the largest file it may write
     tmp_mb: int = 64                    # its /tmp (memory-backed)
-    output_kb: int = 1024               # notebook output kept; the rest is dropped and reported
+    output_kb: int = 10240              # notebook output kept (charts included); the rest is dropped and reported
     text_chars: int = 4000              # of each cell's text compared with the saved outputs
 
     def to_dict(self) -> dict:
