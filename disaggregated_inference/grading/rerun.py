@@ -286,8 +286,9 @@ class Execution:
 
     @classmethod
     def start(cls, sub, rubric, enabled: bool, limits: ExecutionLimits | None = None) -> "Execution":
-        limits = limits or ExecutionLimits(cell_timeout_s=rubric.execution.cell_timeout_s,
-                                           notebook_timeout_s=rubric.execution.notebook_timeout_s)
+        timeout = rubric.execution.notebook_timeout_s
+        limits = limits or ExecutionLimits(cell_timeout_s=rubric.execution.cell_timeout_s, notebook_timeout_s=timeout,
+                                           cpu_s=max(ExecutionLimits.cpu_s, int(timeout)))
         off = None if enabled else "execution is off (--execute off)"
         if not rubric.execution.enabled:
             off = "the rubric turns execution off"
