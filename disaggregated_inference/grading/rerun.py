@@ -142,6 +142,8 @@ _SIGNALS = {"SIGXCPU": "it used up its CPU time limit", "SIGKILL": "it was kille
 
 def _cell_incident(cell: int, record: dict, limits: ExecutionLimits) -> str | None:
     ename, evalue, status = record["ename"], record["evalue"], record["status"]
+    if ename == "OutputFlood":
+        return f"cell {cell} flooded its output past the limit of {limits.output_kb} KB and was stopped"
     if ename == "MemoryError":  # the cause first: a cell stopped by a limit may also reach its time limit
         return f"cell {cell} allocated memory past the limit of {limits.memory_mb} MB and was stopped"
     if (ename == "BlockingIOError" and "Errno 11" in evalue) or "can't start new thread" in evalue:
@@ -227,7 +229,7 @@ def read_run(raw, notebook, rubric, limits: ExecutionLimits) -> Rerun:
             incidents.append(incident)
     if any("network connection (" in i for i in incidents):  # the attempt says where: one line is enough
         incidents = [i for i in incidents if "network connection and was stopped" not in i]
-    if isinstance(end, dict) and end.get("flooded"):
+    if isinstance(end, dict) and end.get("flooded") and not any("flooded its output" in i for i in incidents):
         incidents.append(f"the notebook flooded its output: only the first {limits.output_kb} KB were kept")
     if raw.killed:
         incidents.append(f"the notebook ran past its time limit of {limits.notebook_timeout_s:g} s and was stopped")

@@ -3,7 +3,7 @@ rubric's hidden tests in the same kernel. It imports nothing of this package (th
 in the sandbox), only the standard library, nbformat and nbclient.
 
     python sandbox_runner.py run < job.json            # JSON lines on stdout, one per cell and test, then "end"
-    python sandbox_runner.py kernel -f CONNECTION_FILE  # the kernel: an audit hook, then ipykernel
+    python sandbox_runner.py kernel LIMIT -f CONNECTION_FILE  # the kernel: an audit hook, output capped, ipykernel
 
 The job (on stdin): ``{"notebook": NAME, "tests": [{"id", "title", "code"}], "cell_timeout": s,
 "deadline": s, "output_limit": bytes, "text_limit": chars}``. The kernel's own stdout and stderr go
@@ -114,11 +114,33 @@ def end_strays(keep: set) -> int:
     return killed
 
 
+class OutputFlood(RuntimeError):
+    """Raised by a print past the notebook's output limit: the flood ends as an error of its cell, before the
+    kernel's buffers fill its memory."""
+
+
+def limit_output(limit: int) -> None:
+    from ipykernel import iostream
+
+    write = iostream.OutStream.write
+    left = [limit]
+
+    def capped(self, string):
+        if self.name == "stdout":
+            left[0] -= len(string)
+            if left[0] < 0:
+                raise OutputFlood(f"the notebook's output passed its limit of {limit // 1024} KB")
+        return write(self, string)
+
+    iostream.OutStream.write = capped
+
+
 def kernel_main(argv: list[str]) -> None:
     install_audit_hook()
+    limit_output(int(argv[0]))
     from ipykernel import kernelapp
 
-    sys.argv = [sys.argv[0]] + argv
+    sys.argv = [sys.argv[0]] + argv[1:]
     kernelapp.launch_new_instance()
 
 
@@ -134,11 +156,12 @@ def _non_dumpable() -> None:
         pass
 
 
-def _kernelspec() -> None:
+def _kernelspec(output_limit: int) -> None:
     folder = f"/tmp/jupyter/kernels/{KERNEL_NAME}"
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "kernel.json"), "w") as f:
-        json.dump({"argv": [sys.executable, os.path.abspath(__file__), "kernel", "-f", "{connection_file}"],
+        json.dump({"argv": [sys.executable, os.path.abspath(__file__), "kernel", str(output_limit), "-f",
+                            "{connection_file}"],
                    "display_name": "sandboxed Python", "language": "python"}, f)
     os.environ["JUPYTER_PATH"] = "/tmp/jupyter"
 
@@ -178,7 +201,7 @@ def run_main() -> int:
     deadline = started + float(job["deadline"])
     cell_timeout = float(job["cell_timeout"])
     output_limit, text_limit = int(job["output_limit"]), int(job["text_limit"])
-    _kernelspec()
+    _kernelspec(output_limit)
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
