@@ -206,8 +206,8 @@ def read_run(raw, notebook, rubric, limits: ExecutionLimits) -> Rerun:
         if record["status"] in FAILING:
             run.failing.append({"cell": number, **record})
             incident = _cell_incident(number, record, limits)
-            if incident:
-                incidents.append(incident)
+            if incident and not ("flooded its output" in incident and any("flooded" in i for i in incidents)):
+                incidents.append(incident)  # (a flood: the cells after it fail the same way; said once)
         if cell.get("execution_count") is None or record["status"] in ("timeout", "died"):
             continue  # never run before it was handed in: nothing saved to compare
         now = {"stdout": _s(r.get("stdout"), limits.text_chars), "images": int(r.get("images") or 0),
