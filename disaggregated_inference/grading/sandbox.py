@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -250,13 +251,17 @@ class Sandbox:
 
 def _read_attempts(path: Path) -> list:
     """The audit hook's lines, written where the notebook could write too: data, size-limited, never trusted."""
-    try:
-        if path.is_symlink() or not path.is_file():
-            return []
-        with open(path, "rb") as f:
-            text = f.read(MAX_AUDIT_BYTES).decode("utf-8", "replace")
+    try:  # not through a link the notebook put there, nor from a pipe that never ends
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return []
+    with os.fdopen(fd, "rb") as f:
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return []
+            text = f.read(MAX_AUDIT_BYTES).decode("utf-8", "replace")
+        except OSError:
+            return []
     attempts = []
     for line in text.splitlines()[:50]:
         try:
