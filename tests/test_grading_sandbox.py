@@ -328,6 +328,10 @@ def test_a_class_with_hostile_notebooks_is_graded_in_one_run(sandbox, outside, t
     assert_nothing_outside_changed(outside)
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "| a_good | graded | 40 | 100 | top to bottom |" in summary
+    assert batch.summary["execution"]["re_run"] == 8 and batch.summary["execution"]["contained"] == len(kinds)
+    # the good one, and the three whose code caught the errors of what the sandbox stopped
+    assert batch.summary["execution"]["top_to_bottom"] == 4
+    assert "- re-run in the sandbox: 8 notebooks (4 top to bottom, 6 with something stopped" in summary
     # 8 notebooks, 4 at a time, each bounded by its 30 s limit (on a shared two-core machine)
     assert took < 2 * (30 + 10)
 

@@ -267,7 +267,18 @@ def summarize(results: list[dict], run: dict | None = None, graded_now: list[dic
                     for r in results if r["needs_review"]],
         "run": run or {},
         "inference": inf,
+        "execution": execution_summary(results),
     }
+
+
+def execution_summary(results: list[dict]) -> dict:
+    """The re-runs of the class: how many ran, ran top to bottom, had something stopped; their time."""
+    runs = [r["layers"]["execution"] for r in results if r.get("layers", {}).get("execution")]
+    ran = [e for e in runs if e["status"] == "ran"]
+    return {"re_run": len(ran), "not_re_run": len(runs) - len(ran),
+            "top_to_bottom": sum(1 for e in ran if e["top_to_bottom"]),
+            "contained": sum(1 for e in ran if e["incidents"]),
+            "seconds": round(sum(e["seconds"] or 0.0 for e in ran), 3)}
 
 
 def run_lines(run: dict, inf: dict) -> list[str]:
@@ -289,6 +300,14 @@ def run_lines(run: dict, inf: dict) -> list[str]:
     return lines
 
 
+def execution_summary_lines(ex: dict | None) -> list[str]:
+    if not ex or not (ex["re_run"] or ex["not_re_run"]):
+        return []
+    return [f"- re-run in the sandbox: {ex['re_run']} notebooks ({ex['top_to_bottom']} top to bottom, "
+            f"{ex['contained']} with something stopped by the sandbox; {_n(ex['seconds'], 1)} s of re-runs)"
+            + (f", {ex['not_re_run']} not re-run" if ex["not_re_run"] else "")]
+
+
 def render_summary_markdown(summary: dict, results: list[dict]) -> str:
     inf = summary["inference"]
     lines = ["# Grading summary", "",
@@ -298,7 +317,7 @@ def render_summary_markdown(summary: dict, results: list[dict]) -> str:
              f"median {_n(summary['median'])}, standard deviation {_n(summary['stdev'])}, "
              f"range {_n(summary['min'])} to {_n(summary['max'])}",
              "- by status: " + ", ".join(f"{k} {v}" for k, v in summary["by_status"].items()),
-             *run_lines(summary.get("run") or {}, inf), ""]
+             *run_lines(summary.get("run") or {}, inf), *execution_summary_lines(summary.get("execution")), ""]
     if summary["flagged"]:
         lines += ["## Needs human review", ""]
         for f in summary["flagged"]:
