@@ -47,7 +47,7 @@ def test_batch_writes_every_report(submissions, tmp_path, rubric):
         assert result["submission"]["name"] == name
         assert (out / f"{name}.md").read_text().startswith(f"# {name}: Sales analysis (week 3)")
     good = read_result(out / "good_sales_analysis.json")
-    assert set(good["layers"]) == {"submission", "evidence", "analysis", "validation"}
+    assert set(good["layers"]) == {"submission", "evidence", "analysis", "validation", "execution"}
     assert good["inference"]["prefill_time"] == 0.75 and good["inference"]["decode_time"] == 1.75
     assert (good["inference"]["request_time"], good["inference"]["wall_time"]) == (2.5, 1.5)
     assert good["inference"]["overlap"] == pytest.approx(2.5 / 1.5, abs=1e-3) and "speedup" not in good["inference"]

@@ -91,3 +91,35 @@ def test_unreadable_and_unparsable_rubrics(tmp_path):
     as_list.write_text("- a\n- b\n")
     with pytest.raises(RubricError, match="list.yaml: a rubric must be a mapping"):
         load_rubric(as_list)
+
+
+@pytest.mark.parametrize("change, where, says", [
+    (lambda r: r["criteria"][0].update(tests=[{"title": "t", "points": 1, "code": "assert ("}]),
+     "criteria[0] (load).tests[0].code", "is not valid Python"),
+    (lambda r: r["criteria"][0].update(tests=[{"title": "t", "points": 6, "code": "pass"}]),
+     "criteria[0] (load).tests", "give 6 points; the criterion has 5"),
+    (lambda r: r["criteria"][0].update(tests=[{"title": "t", "code": "pass"}]), "criteria[0] (load).tests[0].points",
+     "is required"),
+    (lambda r: r["criteria"][0].update(tests=[{"title": "t", "points": 1, "code": "pass", "shown": True}]),
+     "criteria[0] (load).tests[0].shown", "is not a known key"),
+    (lambda r: r.update(execution={"data": ["no_such.csv"]}), "execution.data", "not a file or folder"),
+    (lambda r: r.update(execution={"timeout": 1}), "execution.timeout", "must be a number >= 5"),
+    (lambda r: r.update(execution={"network": True}), "execution.network", "is not a known key"),
+])
+def test_bad_hidden_tests_and_execution_are_refused(tmp_path, change, where, says):
+    data = good()
+    change(data)
+    with pytest.raises(RubricError) as err:
+        rubric_from_dict(data, str(tmp_path / "r.yaml"))
+    assert err.value.field == where and says in err.value.message
+
+
+def test_execution_data_names_files_or_a_folder_s_files_never_its_notebooks(tmp_path):
+    (tmp_path / "data").mkdir()
+    for name in ("sales.csv", "regions.json", "other_student.ipynb", ".hidden"):
+        (tmp_path / "data" / name).write_text("x")
+    data = {**good(), "execution": {"data": ["data"], "cell_timeout": 10}}
+    rubric = rubric_from_dict(data, str(tmp_path / "r.yaml"))
+    assert [Path(p).name for p in rubric.execution.data] == ["regions.json", "sales.csv"]
+    assert rubric.execution.cell_timeout_s == 10 and rubric.execution.enabled
+    assert rubric_from_dict({**good(), "execution": {"enabled": False}}).execution.enabled is False

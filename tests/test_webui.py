@@ -13,6 +13,7 @@ from streamlit.testing.v1 import AppTest
 
 from disaggregated_inference.grading import grade_batch, load_rubric
 from disaggregated_inference.grading.fakes import FakeGradingClient
+from disaggregated_inference.grading.sandbox import find_sandbox
 from disaggregated_inference.observe.sampler import Sweep
 from disaggregated_inference.webui import launcher, state
 
@@ -51,6 +52,14 @@ def test_grade_the_examples(out_dir):
     assert list(table["submission"]) == ["errors_sales_analysis", "good_sales_analysis",
                                          "incomplete_sales_analysis", "not_a_notebook"]
     assert list(table["status"]) == ["graded", "graded", "graded", "invalid"]
+    # what the re-run in the sandbox found, per notebook (where this machine has bubblewrap; else why not)
+    if find_sandbox()[0] is None:
+        assert "Notebooks will be graded from their saved outputs" in "\n".join(c.value for c in at.caption)
+    else:
+        reruns = at.dataframe[1].value
+        assert list(reruns["submission"]) == ["errors_sales_analysis", "good_sales_analysis",
+                                              "incomplete_sales_analysis"]
+        assert list(reruns["re-run"]) == ["fails in 3, 4, 5", "top to bottom", "top to bottom; 1 saved output differs"]
     assert "not_a_notebook" in at.warning[0].value
     assert [b.label for b in at.get("download_button")][:3] == [
         "Download gradebook (CSV)", "Download summary (Markdown)", "Download all reports (zip)"]
@@ -61,7 +70,7 @@ def test_grade_the_examples(out_dir):
     assert "**Score: 40 / 40**" in report and "Fake feedback" in report
     # the same breakdown as the report: evidence score, bounded model adjustment, final score, the reasons
     at.selectbox(key="detail").select("incomplete_sales_analysis").run()
-    breakdown = at.dataframe[1].value
+    breakdown = at.dataframe[2].value
     assert list(breakdown["criterion"]) == ["data_loading", "aggregation", "visualisation", "interpretation",
                                             "code_quality"]
     assert list(breakdown["evidence"]) == [8, 0, 0, 0, 1.5]

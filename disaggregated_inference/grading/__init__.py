@@ -8,7 +8,9 @@
                     dropped; each criterion scored from its evidence (``scoring``), moved by the
                     model within a band; ``feedback`` grounded in the checks' findings.
 
-``grader.grade_notebook`` runs them for one file, ``batch.grade_batch`` for a folder (``jobs`` at once,
+Beside them, ``rerun`` re-runs the notebook top to bottom in the ``sandbox`` (bubblewrap, a Jupyter kernel
+through nbclient) with the rubric's hidden tests; its evidence judges ``runs_clean``, ``executed`` and the
+tests' points. ``grader.grade_notebook`` runs them for one file, ``batch.grade_batch`` for a folder (``jobs`` at once,
 its requests paced to the cluster by ``pace``, stoppable), ``report`` writes what comes out. Importing
 this package loads no model library.
 """

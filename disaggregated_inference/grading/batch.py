@@ -9,7 +9,8 @@ At most ``jobs`` notebooks are graded at once; the others wait, not started. The
 requests go through a ``pace.ClusterPace``, which sends each model no more than its servers
 can serve. Setting the ``stop`` event (Ctrl-C in the command line, the stop button of the
 web interface) ends a batch within seconds: no other notebook is started, the requests in
-flight are cancelled (their streams closed, so the decode servers free their slots), a
+flight are cancelled (their streams closed, so the decode servers free their slots) and the
+notebooks' re-runs in the sandbox are ended, a
 notebook whose grading was cut short is not written (it is graded on the next run), and the
 reports are rebuilt from what was graded.
 """
@@ -32,6 +33,7 @@ from .options import GradingOptions
 from .pace import ClusterPace
 from .report import read_result, result_paths, write_batch_reports, write_result
 from .rubric import Rubric, load_rubric
+from .sandbox import end_all
 
 TICK = 0.5        # s: how often a running batch redraws its progress, looks at the servers and at ``stop``
 STOP_GRACE = 3.0  # s: how long a stopping batch waits for the notebooks whose requests it cancelled (a
@@ -248,7 +250,8 @@ def grade_batch(target, rubric, client, out_dir, options: GradingOptions | None 
                 result = failed_result(Submission(path=path, name=name), rubric, options, exc, time.perf_counter())
             # cut short by the stop (a request cancelled, or failing as the stopping cluster goes away):
             # graded on the next run, not recorded as it is
-            if requests.stopped or (stop.is_set() and result["status"] not in FINAL_STATUSES):
+            rerun_stopped = result["layers"].get("execution", {}).get("status") == "stopped"
+            if requests.stopped or rerun_stopped or (stop.is_set() and result["status"] not in FINAL_STATUSES):
                 finished.put((i, None))
                 return
             write_result(result, out_dir)
@@ -294,6 +297,7 @@ def grade_batch(target, rubric, client, out_dir, options: GradingOptions | None 
         stop.set()
         raised = exc
     if stop.is_set():
+        end_all()  # the notebooks' re-runs in their sandboxes too: those notebooks are graded on the next run
         deadline = time.monotonic() + STOP_GRACE
         while running and time.monotonic() < deadline:
             try:

@@ -27,6 +27,7 @@ from .batch import StderrProgress, grade_batch, pending
 from .connect import default_jobs, hurry_local_clusters, kill_local_clusters, open_client
 from .options import DEFAULT_SEED, GradingOptions
 from .rubric import load_rubric
+from .sandbox import find_sandbox
 
 
 def _say(message: str) -> None:
@@ -58,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="notebooks graded at once (default: the decode slots of the model with the fewest, as the "
                         "cluster's /health reports them, else 2); the requests to each model are paced to its "
                         "servers whatever this is")
+    p.add_argument("--execute", choices=("on", "off"), default="on",
+                   help="re-run each notebook in a sandbox (bubblewrap: no network, its own folder only, limits on "
+                        "time, memory and processes) and run the rubric's hidden tests (default: on where a sandbox "
+                        "works here; without one the grader says so and grades from the saved outputs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     return p
@@ -124,6 +129,11 @@ def run(args, interrupts: Interrupts | None = None) -> int:
         raise ConfigError(f"--jobs must be at least 1, got {args.jobs}", field="jobs")
     rubric = load_rubric(args.rubric)  # a bad rubric fails before any server starts
     cfg = cluster_config.load(args.config)
+    execute = args.execute == "on" and rubric.execution.enabled
+    if execute:
+        sandbox, why = find_sandbox()  # decided once; said once
+        if sandbox is None:
+            _say(f"grader: {why}")
     progress_bar = None if args.no_progress else StderrProgress()
     if not args.force and not pending(args.target, rubric, args.out):
         # everything is graded already: rebuild the reports without starting or asking any server
@@ -138,7 +148,7 @@ def run(args, interrupts: Interrupts | None = None) -> int:
             open_client(cfg, local_cluster=args.local_cluster, timeout=args.timeout, progress=progress,
                         models=(args.code_model, args.feedback_model)) as client:
         options = GradingOptions.for_cluster(client.config, code_model=args.code_model,
-                                             feedback_model=args.feedback_model, seed=args.seed,
+                                             feedback_model=args.feedback_model, seed=args.seed, execute=execute,
                                              code_speculation=None if args.code_speculation == "off" else args.code_speculation)
         jobs = args.jobs or default_jobs(client, (args.code_model, args.feedback_model))
         with interrupts.during_grading() as stop:

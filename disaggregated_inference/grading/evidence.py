@@ -32,7 +32,8 @@ class Check:
     rule: str
     passed: bool
     detail: str
-    key: str = ""  # the rubric's evidence key it checks (imports, functions, chart, ...)
+    key: str = ""  # the rubric's evidence key it checks (imports, functions, chart, ...), or "tests"
+    points: float | None = None  # a hidden test's own points (rules share the criterion's: scoring.rule_points)
 
 
 @dataclass
@@ -228,8 +229,10 @@ def _has_function(ev: Evidence, name: str) -> bool:
     return name in ev.call_names or name in ev.defined_functions
 
 
-def check_criterion(criterion: Criterion, ev: Evidence) -> list[Check]:
-    """The rubric's evidence rules for one criterion, each checked against the notebook."""
+def check_criterion(criterion: Criterion, ev: Evidence, rerun=None) -> list[Check]:
+    """The rubric's evidence rules for one criterion, each checked against the notebook; with ``rerun``
+    (``rerun.Rerun``) ``runs_clean`` and ``executed`` are judged by the re-run, and the criterion's hidden
+    tests are checks too (their points their own)."""
     rules = criterion.evidence
     checks: list[Check] = []
 
@@ -254,14 +257,29 @@ def check_criterion(criterion: Criterion, ev: Evidence) -> list[Check]:
                 + " but no chart in the saved outputs (not run, or it failed)")
         else:
             add("chart", "chart", False, "no chart: no chart output and no plotting code")
-    if rules.runs_clean:
+    if rules.runs_clean and rerun is not None and rerun.ran:
+        problems = [f"cell {e['cell']}: SyntaxError" for e in ev.syntax_errors]
+        for f in rerun.failing:
+            if not any(p.startswith(f"cell {f['cell']}:") for p in problems):
+                problems.append(f"cell {f['cell']}: " + (f["ename"] or f["status"]) + " when re-run")
+        if rerun.not_run:
+            problems.append("not reached when re-run: " + _cells(rerun.not_run))
+        add("runs_clean", "runs without errors", not problems,
+            "re-run top to bottom without errors" if not problems else "; ".join(problems))
+    elif rules.runs_clean:
         problems = [f"cell {e['cell']}: SyntaxError" for e in ev.syntax_errors]
         for e in ev.error_outputs:  # a SyntaxError cell that was run also has an error output: say it once
             if f"cell {e['cell']}: {e['ename']}" not in problems:
                 problems.append(f"cell {e['cell']}: {e['ename']}")
         add("runs_clean", "runs without errors", not problems,
             "no syntax errors or error outputs" if not problems else "; ".join(problems))
-    if rules.executed:
+    if rules.executed and rerun is not None and rerun.ran:
+        problems = ["never run: " + _cells([{"cell": n} for n in ev.unexecuted_cells])] if ev.unexecuted_cells else []
+        if rerun.differs:
+            problems.append("saved outputs differ from a re-run: " + _cells(rerun.differs))
+        add("executed", "all cells executed", not problems, "every code cell was run and its saved outputs match a "
+            "re-run" if not problems else "; ".join(problems))
+    elif rules.executed:
         missing = ev.unexecuted_cells
         add("executed", "all cells executed", not missing, "every code cell was run" if not missing
             else "never run: " + _cells([{"cell": n} for n in missing]))
@@ -269,8 +287,16 @@ def check_criterion(criterion: Criterion, ev: Evidence) -> list[Check]:
         ok = ev.markdown_words >= rules.markdown_words
         add("markdown_words", f"at least {rules.markdown_words} words of explanation", ok,
             f"{ev.markdown_words} words of markdown" + ("" if ok else f", fewer than {rules.markdown_words}"))
+    if rerun is not None:
+        outcomes = {t.id: t for t in rerun.tests}
+        for test in criterion.tests:
+            t = outcomes.get(test.id)
+            status, message = (t.status, t.message) if t else ("not_run", "no result")
+            detail = "passed" if status == "passed" else f"{status.replace('_', ' ')}: {message}"
+            checks.append(Check(f"hidden test: {test.title}", status == "passed", detail, "tests", test.points))
     return checks
 
 
-def check_rubric(rubric, ev: Evidence) -> dict[str, list[Check]]:
-    return {c.id: check_criterion(c, ev) for c in rubric.criteria}
+def check_rubric(rubric, ev: Evidence, rerun=None) -> dict[str, list[Check]]:
+    """Every criterion's checks; without ``rerun`` (before the re-run is in) no hidden test is among them."""
+    return {c.id: check_criterion(c, ev, rerun) for c in rubric.criteria}

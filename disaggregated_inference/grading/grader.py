@@ -23,6 +23,7 @@ from .notebook import load_submission
 from .feedback import compose_feedback
 from .options import GradingOptions
 from .quality import NotebookText
+from .rerun import Execution
 from .rubric import Rubric, load_rubric
 from .validation import obtain_answers, reconcile
 
@@ -106,11 +107,19 @@ def _grade(sub, rubric: Rubric, client, options: GradingOptions, started: float)
                       elapsed_s=round(time.perf_counter() - started, 3))
         return result
 
-    # layer 2: the evidence
+    # the re-run, in the sandbox, while the models are asked (it uses the CPU while they wait on the servers)
+    execution = Execution.start(sub, rubric, options.execute)
+    try:
+        return _grade_with(sub, rubric, client, options, started, result, execution)
+    finally:
+        execution.result()  # a notebook's sandbox never outlives its grading
+
+
+def _grade_with(sub, rubric: Rubric, client, options: GradingOptions, started: float, result: dict,
+                execution: Execution) -> dict:
+    # layer 2: the evidence (the models see what the file shows; the re-run and the hidden tests join later)
     evidence = collect_evidence(sub.notebook)
     checks = check_rubric(rubric, evidence)
-    result["layers"]["evidence"] = {**evidence.to_dict(), "findings": evidence.findings(),
-                                    "checks": {cid: [asdict(k) for k in items] for cid, items in checks.items()}}
 
     # layer 3: the two models, in parallel
     requests, rendered = plan_requests(rubric, sub.notebook, evidence, checks, options)
@@ -123,6 +132,11 @@ def _grade(sub, rubric: Rubric, client, options: GradingOptions, started: float)
         "answers": [a.to_dict() for a in analysed.answers],
     }
     result["inference"] = inference_summary(analysed.answers, analysed.combined)
+    rerun = execution.result()
+    checks = check_rubric(rubric, evidence, rerun)
+    result["layers"]["execution"] = rerun.to_dict()
+    result["layers"]["evidence"] = {**evidence.to_dict(), "findings": evidence.findings(),
+                                    "checks": {cid: [asdict(k) for k in items] for cid, items in checks.items()}}
 
     # layer 4: evidence scores, the model's view within a band, grounded feedback
     if analysed.code is None and analysed.request_failed.get("code"):
@@ -146,12 +160,22 @@ def _grade(sub, rubric: Rubric, client, options: GradingOptions, started: float)
     result["feedback"] = compose_feedback(
         rubric, evidence, checks, total, analysed.feedback,
         analysed.code["issues"] if analysed.code is not None else None, feedback_not_used, code_not_used)
-    reasons = analysed.review_reasons
+    reasons = analysed.review_reasons + execution_reasons(rerun)
     if rendered.trimmed:
         result["layers"]["analysis"]["note"] = "the models saw a shortened notebook"
     result.update(status=NEEDS_REVIEW if reasons else GRADED, needs_review=bool(reasons), review_reasons=reasons,
                   elapsed_s=round(time.perf_counter() - started, 3))
     return result
+
+
+def execution_reasons(rerun) -> list[str]:
+    """What in the re-run a person should look at: what the sandbox stopped, hidden tests that could not run."""
+    reasons = [f"contained in the sandbox: {i}" for i in rerun.incidents]
+    unrun = [t for t in rerun.tests if t.status == "not_run"]
+    if unrun:
+        reasons.append(f"{len(unrun)} hidden test{'s' if len(unrun) > 1 else ''} not run "
+                       f"({sum(t.points for t in unrun):g} points not awarded): {unrun[0].message}")
+    return reasons
 
 
 def deterministic_part(result: dict) -> dict:
@@ -163,5 +187,7 @@ def deterministic_part(result: dict) -> dict:
         "feedback": result["feedback"], "review_reasons": result["review_reasons"],
         "submission": result["submission"]["sha256"], "rubric": result["rubric"]["fingerprint"],
         "evidence": result["layers"].get("evidence"),
+        "execution": {k: v for k, v in (result["layers"].get("execution") or {}).items()
+                      if k not in ("seconds", "findings")},
         "answers": [(a["role"], a["attempt"], a["text"], a["error"]) for a in analysis.get("answers", [])],
     }

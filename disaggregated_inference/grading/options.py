@@ -28,6 +28,9 @@ class GradingOptions:
     chars_per_token: float = 2.5      # a cautious estimate for code; keeps prompts inside the context
     output_chars: int = 300           # of each cell's text output shown to the models
     limits: Limits = field(default_factory=Limits)
+    # re-run each notebook in the sandbox (sandbox.py) where one works here: the command line and the web
+    # interface turn it on (--execute off turns it off); a library call runs no student code unless asked
+    execute: bool = False
 
     @property
     def notebook_char_budget(self) -> int:

@@ -115,6 +115,7 @@ def render_markdown(result: dict) -> str:
             for k in checks:
                 lines.append(f"| `{cid}` | {k['rule']} | {'yes' if k['passed'] else '**no**'} | {k['detail']} |")
         lines.append("")
+    lines += execution_lines(layers.get("execution"))
     analysis = layers.get("analysis")
     if analysis and analysis["omitted"]:
         lines += ["**The models saw a shortened notebook:** " + "; ".join(analysis["omitted"]), ""]
@@ -133,6 +134,56 @@ def render_markdown(result: dict) -> str:
                          f"| {_n(r['decode_speed'], 1)} |")
         lines += ["", f"Concurrent requests: {describe_overlap(inf)}.", ""]
     return "\n".join(lines)
+
+
+def rerun_verdict(result: dict) -> str:
+    """The re-run in a few words, for a table row."""
+    execution = result.get("layers", {}).get("execution")
+    if not execution:
+        return "-"
+    if execution["status"] != "ran":
+        return "not re-run"
+    words = ["top to bottom" if execution["top_to_bottom"] else
+             "fails in " + ", ".join(str(f["cell"]) for f in execution["failing"]) if execution["failing"]
+             else "did not finish"]
+    if execution["differs"]:
+        n = len(execution["differs"])
+        words.append(f"{n} saved output{'s differ' if n > 1 else ' differs'}")
+    if execution["incidents"]:
+        words.append(f"{len(execution['incidents'])} contained")
+    tests = execution["tests"]
+    if tests:
+        words.append(f"tests {sum(t['status'] == 'passed' for t in tests)}/{len(tests)}")
+    return "; ".join(words)
+
+
+def execution_lines(execution: dict | None) -> list[str]:
+    """The re-run in the sandbox: how it went, what it stopped, the hidden tests by title (never their code)."""
+    if not execution:
+        return []
+    if execution["status"] != "ran":
+        return ["**Re-run:** not re-run: " + _md(execution["reason"]) + ".", ""]
+    verdict = "ran top to bottom without errors" if execution["top_to_bottom"] else "**did not run top to bottom**"
+    lines = [f"**Re-run in the sandbox:** {verdict}, in {_n(execution['seconds'], 1)} s; "
+             f"{execution['matched']} cells reproduced their saved outputs.", ""]
+    lines += [f"- cell {f['cell']} fails when re-run: " + _md(f"{f['ename']}: {f['evalue']}" if f["ename"] else f["why"])
+              for f in execution["failing"]]
+    if execution["not_run"]:
+        lines.append("- not reached: " + ", ".join(f"cell {n['cell']}" for n in execution["not_run"])
+                     + f" ({_md(execution['not_run'][0]['why'])})")
+    lines += [f"- cell {d['cell']}: the saved output differs from the re-run ({_md(d['what'])})"
+              for d in execution["differs"]]
+    lines += [f"- **stopped by the sandbox:** {_md(i)}" for i in execution["incidents"]]
+    if lines[-1] != "":
+        lines.append("")
+    if execution["tests"]:
+        lines += ["| Hidden test | Points | Result |", "|---|---:|---|"]
+        for t in execution["tests"]:
+            result = {"passed": "passed", "failed": "**failed**", "not_run": "not run"}.get(t["status"], t["status"])
+            lines.append(f"| {_md(t['title'])} | {_n(t['points'])} | {result}"
+                         + (f": {_md(t['message'])}" if t["message"] else "") + " |")
+        lines.append("")
+    return lines
 
 
 # -- a batch -------------------------------------------------------------------------------------
@@ -216,7 +267,18 @@ def summarize(results: list[dict], run: dict | None = None, graded_now: list[dic
                     for r in results if r["needs_review"]],
         "run": run or {},
         "inference": inf,
+        "execution": execution_summary(results),
     }
+
+
+def execution_summary(results: list[dict]) -> dict:
+    """The re-runs of the class: how many ran, ran top to bottom, had something stopped; their time."""
+    runs = [r["layers"]["execution"] for r in results if r.get("layers", {}).get("execution")]
+    ran = [e for e in runs if e["status"] == "ran"]
+    return {"re_run": len(ran), "not_re_run": len(runs) - len(ran),
+            "top_to_bottom": sum(1 for e in ran if e["top_to_bottom"]),
+            "contained": sum(1 for e in ran if e["incidents"]),
+            "seconds": round(sum(e["seconds"] or 0.0 for e in ran), 3)}
 
 
 def run_lines(run: dict, inf: dict) -> list[str]:
@@ -238,6 +300,14 @@ def run_lines(run: dict, inf: dict) -> list[str]:
     return lines
 
 
+def execution_summary_lines(ex: dict | None) -> list[str]:
+    if not ex or not (ex["re_run"] or ex["not_re_run"]):
+        return []
+    return [f"- re-run in the sandbox: {ex['re_run']} notebooks ({ex['top_to_bottom']} top to bottom, "
+            f"{ex['contained']} with something stopped by the sandbox; {_n(ex['seconds'], 1)} s of re-runs)"
+            + (f", {ex['not_re_run']} not re-run" if ex["not_re_run"] else "")]
+
+
 def render_summary_markdown(summary: dict, results: list[dict]) -> str:
     inf = summary["inference"]
     lines = ["# Grading summary", "",
@@ -247,15 +317,16 @@ def render_summary_markdown(summary: dict, results: list[dict]) -> str:
              f"median {_n(summary['median'])}, standard deviation {_n(summary['stdev'])}, "
              f"range {_n(summary['min'])} to {_n(summary['max'])}",
              "- by status: " + ", ".join(f"{k} {v}" for k, v in summary["by_status"].items()),
-             *run_lines(summary.get("run") or {}, inf), ""]
+             *run_lines(summary.get("run") or {}, inf), *execution_summary_lines(summary.get("execution")), ""]
     if summary["flagged"]:
         lines += ["## Needs human review", ""]
         for f in summary["flagged"]:
             lines.append(f"- **{f['submission']}** ({f['status']}): " + "; ".join(f["reasons"]))
         lines.append("")
-    lines += ["## Gradebook", "", "| Submission | Status | Score | % |", "|---|---|---:|---:|"]
+    lines += ["## Gradebook", "", "| Submission | Status | Score | % | Re-run |", "|---|---|---:|---:|---|"]
     for r in results:
-        lines.append(f"| {r['submission']['name']} | {r['status']} | {_n(r['total'])} | {_n(r['percent'], 1)} |")
+        lines.append(f"| {r['submission']['name']} | {r['status']} | {_n(r['total'])} | {_n(r['percent'], 1)} | "
+                     f"{_md(rerun_verdict(r))} |")
     return "\n".join(lines) + "\n"
 
 

@@ -15,11 +15,22 @@ A rubric file looks like (``examples/rubric.yaml``)::
           functions: [groupby, plot]                # called or defined ("pd.read_csv" matches dotted)
           constructs: [function_def]                # from CONSTRUCTS
           chart: true                               # a chart output is in the notebook
-          runs_clean: true                          # no syntax errors, no error outputs
-          executed: true                            # every code cell was run
+          runs_clean: true                          # no syntax errors, no error outputs (re-run: no cell fails)
+          executed: true                            # every code cell was run (re-run: and its saved outputs
+                                                    # match the re-run's, numbers within 1e-4, charts by presence)
           markdown_words: 40                        # at least this many words of explanation
           points: {chart: 6}                        # optional: points of a rule (the rest share the rest)
         model_band: 0.25                            # optional; see below
+        tests:                                      # optional: hidden tests, run after the notebook in its kernel
+          - title: South's revenue is 825           # the only part of a test a report shows
+            points: 4                               # earned when it passes (part of the criterion's points)
+            code: assert by_region["South"] == 825, "South's revenue should be 825"
+    execution:                                      # optional: re-running each notebook in a sandbox
+      enabled: true                                 # false: grade from the saved outputs only
+      data: [notebooks/sales.csv]                   # files (or folders' files) copied beside each notebook,
+                                                    # relative to the rubric file
+      cell_timeout: 30                              # seconds per cell
+      timeout: 120                                  # seconds for the whole notebook and its tests
 
 The score starts from the evidence (``scoring.py``): each rule met earns its
 points (by default an equal share of the criterion's points); a criterion
@@ -28,7 +39,9 @@ criterion whose evidence rules are not all met can score at most
 ``missing_evidence_cap`` of its points (default 0.5). The code-analysis model
 may move a criterion's score by at most ``model_band`` of its points (default
 0.25), never above that cap. The three keys may be set per criterion or for the
-rubric. Every problem raises one ``RubricError`` naming the file and the key.
+rubric. A criterion's hidden tests have points of their own, out of the criterion's
+points (the evidence rules share the rest): a passing test earns them, a failing one
+loses them and no more. Every problem raises one ``RubricError`` naming the file and the key.
 """
 from __future__ import annotations
 
@@ -49,8 +62,10 @@ DEFAULT_MODEL_BAND = 0.25
 DEFAULT_NO_EVIDENCE_SHARE = 0.5
 _SHARES = ("missing_evidence_cap", "model_band", "no_evidence_share")  # fractions of a criterion's points
 _ID = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
-_TOP_KEYS = {"title", "assignment", "description", "criteria", *_SHARES}
-_CRITERION_KEYS = {"id", "title", "description", "points", "evidence", *_SHARES}
+_TOP_KEYS = {"title", "assignment", "description", "criteria", "execution", *_SHARES}
+_CRITERION_KEYS = {"id", "title", "description", "points", "evidence", "tests", *_SHARES}
+_TEST_KEYS = {"title", "points", "code"}
+_EXECUTION_KEYS = {"enabled", "data", "cell_timeout", "timeout"}
 _RULE_KEYS = ("imports", "functions", "constructs", "chart", "runs_clean", "executed", "markdown_words")
 _EVIDENCE_KEYS = {*_RULE_KEYS, "points"}
 
@@ -72,6 +87,23 @@ class EvidenceRules:
 
 
 @dataclass(frozen=True)
+class HiddenTest:
+    id: str          # "<criterion id>-<n>", n from 1
+    title: str
+    points: float
+    code: str        # never shown in a report
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How notebooks of this assignment are re-run (``sandbox.py``)."""
+    enabled: bool = True
+    data: tuple[str, ...] = ()       # absolute paths of the files copied beside each notebook
+    cell_timeout_s: float = 30.0
+    notebook_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
 class Criterion:
     id: str
     title: str
@@ -81,6 +113,11 @@ class Criterion:
     missing_evidence_cap: float = DEFAULT_MISSING_EVIDENCE_CAP
     model_band: float = DEFAULT_MODEL_BAND
     no_evidence_share: float = DEFAULT_NO_EVIDENCE_SHARE
+    tests: tuple[HiddenTest, ...] = ()
+
+    @property
+    def test_points(self) -> float:
+        return float(sum(t.points for t in self.tests))
 
 
 @dataclass(frozen=True)
@@ -89,6 +126,11 @@ class Rubric:
     assignment: str
     criteria: tuple[Criterion, ...]
     source: str = "<dict>"
+    execution: Execution = field(default_factory=Execution)
+
+    @property
+    def tests(self) -> list[HiddenTest]:
+        return [t for c in self.criteria for t in c.tests]
 
     @property
     def max_points(self) -> float:
@@ -107,8 +149,11 @@ class Rubric:
     def to_dict(self) -> dict:
         return {"title": self.title, "assignment": self.assignment,
                 "criteria": [{**asdict(c), "evidence": {k: list(v) if isinstance(v, tuple) else v
-                                                        for k, v in asdict(c.evidence).items()}}
-                             for c in self.criteria]}
+                                                        for k, v in asdict(c.evidence).items()},
+                              "tests": [asdict(t) for t in c.tests]}
+                             for c in self.criteria],
+                # the data files by name: moving the rubric's folder does not make its grades stale
+                "execution": {**asdict(self.execution), "data": [Path(p).name for p in self.execution.data]}}
 
     @property
     def fingerprint(self) -> str:
@@ -197,6 +242,54 @@ def _rule_points(raw, rules: dict, where: str, source: str) -> tuple[tuple[str, 
     return tuple(out)
 
 
+def _tests(raw, cid: str, where: str, source: str) -> tuple[HiddenTest, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw:
+        _fail(source, where, "must be a non-empty list of tests (title, points, code)")
+    tests = []
+    for n, item in enumerate(raw, start=1):
+        at = f"{where}[{n - 1}]"
+        if not isinstance(item, dict):
+            _fail(source, at, f"must be a mapping, got {type(item).__name__}")
+        _check_unknown(item, _TEST_KEYS, at, source)
+        if "points" not in item:
+            _fail(source, f"{at}.points", "is required")
+        code = _text(item, "code", at, source, required=True)
+        try:
+            compile(code, f"{source}: {at}.code", "exec")
+        except SyntaxError as exc:
+            _fail(source, f"{at}.code", f"is not valid Python: {exc.msg} at line {exc.lineno}")
+        tests.append(HiddenTest(id=f"{cid}-{n}", title=_text(item, "title", at, source, required=True),
+                                points=_number(item["points"], f"{at}.points", source, 0, 1000), code=code))
+    return tuple(tests)
+
+
+def _execution(raw, source: str) -> Execution:
+    if raw is None:
+        return Execution()
+    if not isinstance(raw, dict):
+        _fail(source, "execution", f"must be a mapping, got {type(raw).__name__}")
+    _check_unknown(raw, _EXECUTION_KEYS, "execution", source)
+    enabled = raw.get("enabled", True)
+    if not isinstance(enabled, bool):
+        _fail(source, "execution.enabled", f"must be true or false, got {json.dumps(enabled)}")
+    base = Path(source).parent if source != "<dict>" else Path.cwd()
+    data: list[str] = []
+    for name in _names(raw["data"], "execution.data", source) if "data" in raw else ():
+        path = (base / name).resolve()
+        if path.is_dir():  # a folder: its files, never its notebooks (other students' work)
+            data += [str(p) for p in sorted(path.iterdir()) if p.is_file() and p.suffix != ".ipynb"
+                     and not p.name.startswith(".")]
+        elif path.is_file():
+            data.append(str(path))
+        else:
+            _fail(source, "execution.data", f"names {name!r}, which is not a file or folder beside the rubric")
+    return Execution(enabled=enabled, data=tuple(data),
+                     cell_timeout_s=_number(raw.get("cell_timeout", 30), "execution.cell_timeout", source, 1, 3600),
+                     notebook_timeout_s=_number(raw.get("timeout", 120), "execution.timeout", source, 5, 7200))
+
+
 def rubric_from_dict(data, source: str = "<dict>") -> Rubric:
     """Validate a parsed rubric; raise ``RubricError`` naming ``source`` and the bad key."""
     if not isinstance(data, dict):
@@ -233,7 +326,11 @@ def rubric_from_dict(data, source: str = "<dict>") -> Rubric:
         shares = {key: _number(raw[key], f"{where}.{key}", source, 0, 1) if key in raw else defaults[key]
                   for key in _SHARES}
         evidence = _evidence(raw.get("evidence"), f"{where}.evidence", source)
-        given = sum(p for _, p in evidence.points)
+        tests = _tests(raw.get("tests"), cid, f"{where}.tests", source)
+        if sum(t.points for t in tests) > points + 1e-9:
+            _fail(source, f"{where}.tests", f"give {sum(t.points for t in tests):g} points; the criterion has "
+                                            f"{points:g}")
+        given = sum(p for _, p in evidence.points) + sum(t.points for t in tests)
         all_given = {k for k, _ in evidence.points} == {k for k in _RULE_KEYS if getattr(evidence, k)}
         if evidence.points and (given > points + 1e-9 or (all_given and abs(given - points) > 1e-9)):
             _fail(source, f"{where}.evidence.points", f"add up to {given:g}; they must add up to "
@@ -244,9 +341,11 @@ def rubric_from_dict(data, source: str = "<dict>") -> Rubric:
             description=_text(raw, "description", where, source, required=False),
             points=points,
             evidence=evidence,
+            tests=tests,
             **shares,
         ))
-    return Rubric(title=title, assignment=assignment, criteria=tuple(criteria), source=source)
+    return Rubric(title=title, assignment=assignment, criteria=tuple(criteria), source=source,
+                  execution=_execution(data.get("execution"), source))
 
 
 def load_rubric(path) -> Rubric:

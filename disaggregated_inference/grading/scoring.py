@@ -32,20 +32,25 @@ class EvidenceScore:
 
 
 def rule_points(criterion: Criterion, checks: list[Check]) -> list[float]:
-    """The points each check is worth: a weighted rule's points split between its names; the rest of the
-    criterion's points shared equally by the unweighted checks."""
+    """The points each check is worth: a hidden test its own points; a weighted rule's points split between
+    its names; what is left of the criterion's points shared equally by the unweighted rules."""
     weights = dict(criterion.evidence.points)
     per_key: dict[str, int] = {}
     for k in checks:
         per_key[k.key] = per_key.get(k.key, 0) + 1
-    unweighted = [k for k in checks if k.key not in weights]
-    rest = max(0.0, criterion.points - sum(weights.values()))
+    unweighted = [k for k in checks if k.key not in weights and k.points is None]
+    rest = max(0.0, criterion.points - sum(weights.values()) - sum(k.points for k in checks if k.points is not None))
     share = rest / len(unweighted) if unweighted else 0.0
-    return [weights[k.key] / per_key[k.key] if k.key in weights else share for k in checks]
+    return [k.points if k.points is not None else weights[k.key] / per_key[k.key] if k.key in weights else share
+            for k in checks]
 
 
 def evidence_score(criterion: Criterion, checks: list[Check]) -> EvidenceScore:
+    """The score from the checks: each rule met and each hidden test passed earns its points; a failing
+    rule caps the criterion at ``missing_evidence_cap`` of its points, a failing test loses its own points."""
     points = criterion.points
+    rules = [k for k in checks if k.points is None]
+    tests = [k for k in checks if k.points is not None]
     if not checks:
         score = round(points * criterion.no_evidence_share, 2)
         return EvidenceScore(score, points, f"no evidence rules: starts at {_fmt(criterion.no_evidence_share * 100)}%"
@@ -55,17 +60,26 @@ def evidence_score(criterion: Criterion, checks: list[Check]) -> EvidenceScore:
     met = [k for k in checks if k.passed]
     failed = [k for k in checks if not k.passed]
     parts = [f"{k.rule} (+{_fmt(w)})" for w, k in zip(worth, checks) if k.passed]
-    reason = f"{len(met)} of {len(checks)} evidence rules met"
+    reason = f"{len(met)} of {len(checks)} {'checks' if tests else 'evidence rules'} met"
     if parts:
         reason += ": " + ", ".join(parts)
     if failed:
         reason += "; not met: " + "; ".join(f"{k.rule} ({k.detail})" for k in failed)
+    if not rules:  # only hidden tests: the rest of the points starts as a criterion without rules does
+        rest = max(0.0, points - sum(k.points for k in tests))
+        if rest > 0:
+            base = round(rest * criterion.no_evidence_share, 2)
+            earned += base
+            reason += (f"; no evidence rules for the other {_fmt(rest)} points: they start at "
+                       f"{_fmt(criterion.no_evidence_share * 100)}% (+{_fmt(base)})")
     ceiling = points
-    if failed:
+    if any(not k.passed for k in rules):
         ceiling = round(points * criterion.missing_evidence_cap, 2)
-        if earned > ceiling:
-            reason += f"; capped at {_fmt(ceiling)} because evidence is missing"
-            earned = ceiling
+    lost = sum(k.points for k in tests if not k.passed)
+    ceiling = round(min(ceiling, points - lost), 2)
+    if earned > ceiling + 1e-9:
+        reason += f"; capped at {_fmt(ceiling)} because evidence is missing"
+        earned = ceiling
     return EvidenceScore(round(earned, 2), ceiling, reason)
 
 

@@ -17,7 +17,8 @@ from disaggregated_inference.errors import DisaggError, RubricError
 from disaggregated_inference.grading import GradingOptions, grade_batch, load_rubric
 from disaggregated_inference.grading.connect import default_jobs, require_servers
 from disaggregated_inference.grading.report import criteria_rows, gradebook_csv, gradebook_rows, render_markdown, \
-    render_summary_markdown
+    render_summary_markdown, rerun_verdict
+from disaggregated_inference.grading.sandbox import find_sandbox
 from disaggregated_inference.webui import health, state
 
 UPLOAD_RUBRIC = "Upload a rubric file..."
@@ -59,7 +60,8 @@ def choose_rubric():
         st.stop()
     with st.expander(f"{rubric.title}: {len(rubric.criteria)} criteria, {rubric.max_points:g} points"):
         st.table([{"id": c.id, "criterion": c.title, "points": c.points,
-                   "evidence required": ", ".join(k for k, v in vars(c.evidence).items() if v) or "-"}
+                   "evidence required": ", ".join(k for k, v in vars(c.evidence).items() if v) or "-",
+                   "hidden tests": len(c.tests)}
                   for c in rubric.criteria])
     return rubric
 
@@ -108,7 +110,8 @@ def grade(rubric, paths: list[Path], client, force: bool) -> None:
             interrupted.append(exc)
             job.stop.set()
 
-    options = GradingOptions.for_cluster(getattr(client, "config", None))
+    options = GradingOptions.for_cluster(getattr(client, "config", None),
+                                         execute=st.session_state.get("execute", True))
     try:
         require_servers(client, (options.code_model, options.feedback_model))
         batch = grade_batch(paths, rubric, client, state.out_dir(), options, force=force, progress=progress,
@@ -168,6 +171,7 @@ def show_results(batch: dict) -> None:
     if not results:
         return
     st.dataframe(gradebook_rows(results), hide_index=True)
+    show_reruns(results)
     for flag in summary["flagged"]:
         st.warning(f"**{flag['submission']}** needs review ({flag['status']}): " + "; ".join(flag["reasons"]))
 
@@ -193,6 +197,31 @@ def show_results(batch: dict) -> None:
         st.json(result, expanded=False)
 
 
+def choose_execution() -> None:
+    """Whether notebooks are re-run in the sandbox; where none works here, why not."""
+    st.checkbox("Re-run each notebook in a sandbox (and run the rubric's hidden tests)", value=True, key="execute",
+                help="bubblewrap: no network, only the notebook's own folder, limits on time, memory and processes")
+    if st.session_state.get("execute", True):
+        sandbox, why = find_sandbox()
+        if sandbox is None:
+            st.caption(f"Notebooks will be graded from their saved outputs: {why}.")
+
+
+def show_reruns(results: list[dict]) -> None:
+    """What the re-run found, per notebook: the verdict, the time, what the sandbox stopped."""
+    rows = []
+    for r in results:
+        execution = r.get("layers", {}).get("execution")
+        if not execution:
+            continue
+        rows.append({"submission": r["submission"]["name"], "re-run": rerun_verdict(r),
+                     "seconds": execution.get("seconds"),
+                     "stopped by the sandbox": "; ".join(execution.get("incidents") or []) or "-"})
+    if rows:
+        st.subheader("Re-run in the sandbox")
+        st.dataframe(rows, hide_index=True, key="reruns")
+
+
 def main() -> None:
     st.set_page_config(page_title="Notebook grader", layout="wide")
     st.title("Business analytics notebook grader")
@@ -204,6 +233,7 @@ def main() -> None:
     rubric = choose_rubric()
     paths = choose_notebooks()
     force = st.checkbox("Grade again even if already graded", key="force")
+    choose_execution()
     if st.button("Grade", type="primary", disabled=not paths, key="grade"):
         grade(rubric, paths, client, force)
     if "batch" in st.session_state:
