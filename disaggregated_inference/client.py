@@ -46,6 +46,7 @@ from urllib3.exceptions import NewConnectionError, ReadTimeoutError
 
 from . import chat
 from . import config as cluster_config
+from . import resume  # issue 42: an answer survives its decode server
 from . import routing
 from .errors import BadRequest, DisaggError, NoServerAvailable, UpstreamError, UpstreamTimeout, from_body
 from .server.parse import Limits, parse_generate
@@ -739,11 +740,15 @@ class DisaggregatedClient:
                 s, "/generate", {**source, **sampling}, self.decode_timeout))
             return Served(decode_server, method, lines=lines)
 
-        served, notes = self._by_route(model_key, decision,
-                                       lambda exclude: self._open_disaggregated(model_key, source, sampling, exclude),
-                                       local, started)
+        def handoff(exclude):
+            return self._open_disaggregated(model_key, source, sampling, exclude)
+
+        served, notes = self._by_route(model_key, decision, handoff, local, started)
         lines, served.lines = served.lines, None
         served.first_piece_at = time.perf_counter()  # _open_stream returned once the first line had arrived
+        # -- resume hook (issue 42): a decode server that fails mid-answer hands the answer to another (resume.py)
+        moved = resume.Continuation(served, lambda: self._serve_by_route(model_key, decision, handoff, local),
+                                    lambda: self._candidates("decode", model_key), self._mark_failure)
         decode_server = served.decode_server
         with self._lock:  # busy for the whole stream, so that least-loaded routing sees it
             decode_server.outstanding += 1
@@ -755,7 +760,7 @@ class DisaggregatedClient:
                           "kv_bytes": kv.get("bytes", 0), "warnings": list(notes)})
             pieces, final = _Pieces(), None
             try:
-                for line in lines:  # an error line raises in _ndjson_lines
+                for line in moved.lines(lines):  # an error line raises in _ndjson_lines; resume hook
                     if line.get("done"):
                         final = line
                         break
@@ -774,12 +779,13 @@ class DisaggregatedClient:
                 decode_server.outstanding -= 1
         if final is None:
             raise UpstreamError(f"{decode_server.entry.name} ended its stream without a final line")
+        served = moved.served  # resume hook: the servers that finished the answer
         if not served.method.startswith("decode_only"):
             served.method = final["metrics"].get("method", "disaggregated")
         served.decode = pieces.answer(final)
-        metrics = served.metrics(started, notes)
+        metrics = moved.annotate(served.metrics(started, notes))  # resume hook: where it moved, what it recomputed
         metrics.update(decision.as_metrics())
-        self._learn(model_key, source, served, metrics, clean=not notes)
+        self._learn(model_key, source, served, metrics, clean=not notes and not moved.moves)  # resume hook
         self._remember(model_key, metrics)
         yield metrics
 
