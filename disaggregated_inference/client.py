@@ -254,12 +254,13 @@ class DisaggregatedClient:
         stream = path != "/prefill"
         watch = self._watch(server, path, timeout, body=body)
         lines = self._lines(server, path, {**body, "stream": True} if stream else body, watch)
+        pieces = _Pieces()
         try:
             if not stream:
                 answer = next(lines)
                 answer.pop("done", None)
             else:
-                pieces, answer = _Pieces(), None
+                answer = None
                 for line in lines:
                     if line.get("done"):
                         answer = pieces.answer(line)
@@ -267,6 +268,9 @@ class DisaggregatedClient:
                     pieces.add(line)
         except StopIteration:
             answer = None
+        except DisaggError as exc:  # resume hook: an answer that broke off mid-way (resume.py)
+            resume.broke_off(self._local, server, pieces.count, exc)
+            raise
         finally:
             lines.close()
         if answer is None:
@@ -578,6 +582,7 @@ class DisaggregatedClient:
                                            ignore_eos=ignore_eos, speculation=speculation)
         self.check_request(source, sampling)
         decision = self._route(model_key, source, route)
+        resume.begin(self._local)  # resume hook: moves of this request's answer between decode servers
 
         def local(method: str) -> Served:
             sent, retries = [], []
@@ -588,7 +593,7 @@ class DisaggregatedClient:
         served, notes = self._by_route(model_key, decision,
                                        lambda exclude: self._disaggregated(model_key, source, sampling, exclude),
                                        local, started)
-        metrics = served.metrics(started, notes)
+        metrics = resume.finish(self._local, served.metrics(started, notes))  # resume hook
         metrics.update(decision.as_metrics())
         self._learn(model_key, source, served, metrics, clean=not notes and not served.decode_connect_retries)
         self._remember(model_key, metrics)
@@ -934,6 +939,11 @@ class _Pieces:
 
     def __init__(self):
         self.text, self.reasoning, self.calls = [], [], []
+
+    @property
+    def count(self) -> int:
+        """Lines kept so far (resume hook)."""
+        return len(self.text) + len(self.reasoning) + len(self.calls)
 
     def add(self, line: dict) -> tuple[str, object]:
         """Keep a line that is not the last; returns (``chat.CONTENT``, ``chat.REASONING`` or ``chat.TOOL_CALL``,

@@ -173,17 +173,50 @@ class Continuation:
 
     def annotate(self, metrics: dict) -> dict:
         """Add to a finished stream's ``metrics`` where it moved and what that recomputed; warn once."""
-        if not self.moves:
-            return metrics
-        prompt_tokens = metrics.get("prompt_tokens") or 0
-        for move in self.moves:
-            move["tokens_recomputed"] = prompt_tokens + move["pieces_replayed"]
-        metrics["resumed"] = self.moves
-        metrics["tokens_recomputed_by_moves"] = sum(m["tokens_recomputed"] for m in self.moves)
-        said = [f"decode server {m['from_decode_server']} failed mid-answer ({m['reason']}); the answer continued on "
-                f"{m['to_decode_server']} after {m['after_pieces']} pieces ({m['tokens_recomputed']} tokens recomputed: "
-                f"the prompt's {prompt_tokens} and {m['pieces_replayed']} pieces generated again)" for m in self.moves]
-        metrics["warnings"] = [*metrics.get("warnings", []), *self.notes, *said]
-        for line in said:
-            warnings.warn(line, ResumeWarning, stacklevel=4)
+        return describe(self.moves, metrics, self.notes)
+
+
+def describe(moves: list[dict], metrics: dict, notes=()) -> dict:
+    """``metrics`` with ``resumed`` (the moves, each with ``tokens_recomputed``: the prompt's tokens evaluated
+    again and the pieces generated again), ``tokens_recomputed_by_moves`` and a warning per move."""
+    if not moves:
         return metrics
+    prompt_tokens = metrics.get("prompt_tokens") or 0
+    for move in moves:
+        move["tokens_recomputed"] = prompt_tokens + move["pieces_replayed"]
+    metrics["resumed"] = moves
+    metrics["tokens_recomputed_by_moves"] = sum(m["tokens_recomputed"] for m in moves)
+    said = [f"decode server {m['from_decode_server']} failed mid-answer ({m['reason']}); the answer continued on "
+            f"{m['to_decode_server']} after {m['after_pieces']} pieces ({m['tokens_recomputed']} tokens recomputed: "
+            f"the prompt's {prompt_tokens} and {m['pieces_replayed']} pieces generated again)" for m in moves]
+    metrics["warnings"] = [*metrics.get("warnings", []), *notes, *said]
+    for line in said:
+        warnings.warn(line, ResumeWarning, stacklevel=4)
+    return metrics
+
+
+# -- a whole answer (``generate``) -------------------------------------------------------------------
+# ``generate`` reads a decode server's answer as a stream too (``_post``); one that breaks off is given up
+# and the request served again on another decode server by the client's own failover (``_on``), from a
+# fresh prefill or decode-only. What is kept here, per request (on the client's thread-local), is that it
+# moved, after how many pieces, so that the answer's metrics say so as a stream's do.
+
+def begin(local) -> None:
+    """A request begins on this thread: no move yet."""
+    local.moves = []
+
+
+def broke_off(local, server, pieces: int, exc: BaseException) -> None:
+    """``server``'s answer broke off after ``pieces`` pieces with ``exc``: a move, if another server serves it."""
+    if pieces and resumable(exc) and getattr(local, "moves", None) is not None:
+        local.moves.append({"from_decode_server": server.entry.address, "after_pieces": pieces,
+                            "pieces_replayed": pieces, "reason": exc.message})
+
+
+def finish(local, metrics: dict) -> dict:
+    """The answer's metrics, with the moves its request made (``describe``)."""
+    moves, local.moves = getattr(local, "moves", None) or [], None
+    for move in moves:
+        move.update(to_decode_server=metrics.get("decode_server"), to_prefill_server=metrics.get("prefill_server"),
+                    method=metrics.get("method"))
+    return describe(moves, metrics)

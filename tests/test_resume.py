@@ -194,3 +194,34 @@ def _reference_through_gateway(cluster, api: str) -> tuple[str, dict]:
                                                       "options": {"num_predict": LONG, "temperature": 0, "seed": 0}},
                          timeout=180)
     return resp.json()["response"], resp.json()
+
+
+def test_a_whole_answer_moves_too_and_says_so(client, cluster, reference):
+    """``generate`` reads its answer as a stream too: broken off, it is served again on the other decode server
+    (the client's failover), and its metrics say it moved, as a stream's do."""
+    import threading
+
+    killed = []
+
+    def kill_the_busy_decode_server():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            busy = [s for s in client.servers.values() if s.entry.role == "decode" and s.outstanding]
+            if busy:
+                time.sleep(0.5)  # its answer under way
+                killed.append(cluster.process(busy[0].entry.name))
+                _kill(killed[0])
+                return
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=kill_the_busy_decode_server)
+    thread.start()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        text, metrics = client.generate(model="qwen", prompt=PROMPT, max_tokens=LONG, ignore_eos=True, seed=0)
+    thread.join()
+    assert text == reference
+    (move,) = metrics["resumed"]
+    assert move["from_decode_server"] == killed[0].entry.address != metrics["decode_server"]
+    assert 0 < move["after_pieces"] < LONG and move["tokens_recomputed"] > move["after_pieces"]
+    assert any(issubclass(w.category, ResumeWarning) for w in caught)
