@@ -723,7 +723,9 @@ class DisaggregatedClient:
 
         Routing, failover, the recompute of a lost KV and the decode-only fallback happen as in
         ``generate`` until the decode server's stream has opened (its answer arrives with the first
-        piece): after that the decode server is committed, and an error ends the stream by raising.
+        piece). After that, a decode server that dies or goes silent hands the answer to another one of
+        the model where one is up (``resume.py``: each piece once, ``metrics["resumed"]``); else the error
+        ends the stream by raising.
         ``on_route(route)``, if given, is called once the stream is open with what is known then:
         ``method`` (provisional for a handoff: the decode server reports the final one in the
         metrics), ``prefill_server``, ``decode_server``, ``kv_bytes`` (the bundle's size) and
