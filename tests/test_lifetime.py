@@ -55,6 +55,15 @@ def test_a_signal_is_held_back_until_the_child_is_recorded():
     assert recorded and recorded[0].wait(10) == 0  # and the child itself does not inherit the blocked signals
 
 
+def test_an_ignored_signal_stays_ignored():
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # nohup
+    try:
+        with lifetime.stop_on_signals():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
 def test_only_defaults_leaves_a_launchers_own_handler():
     own = lambda *_: None  # noqa: E731
     previous = signal.signal(signal.SIGTERM, own), signal.signal(signal.SIGHUP, signal.SIG_DFL)
@@ -133,6 +142,13 @@ def _port_free(port: int) -> bool:
             return False
 
 
+def _as_from_a_terminal() -> None:
+    """The launcher's stop signals at their defaults, as a shell in a terminal starts a command (this test
+    process may run with some ignored, and ignored dispositions are inherited)."""
+    for sig in lifetime.STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+
+
 class Launcher:
     def __init__(self, args: list[str], log: Path, cwd: Path = ROOT):
         self.mark = uuid.uuid4().hex
@@ -141,7 +157,7 @@ class Launcher:
         self.log = log
         with open(log, "wb") as out:
             self.proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=out,
-                                         stderr=subprocess.STDOUT)
+                                         stderr=subprocess.STDOUT, preexec_fn=_as_from_a_terminal)
         self.ps = psutil.Process(self.proc.pid)
         # every process it starts, noted as it appears (gunicorn's process titles overwrite the environment
         # that carries the mark, so the mark alone would miss them)

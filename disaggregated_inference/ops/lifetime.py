@@ -100,8 +100,9 @@ def _is_default(handler) -> bool:
 
 @contextmanager
 def stop_on_signals(only_defaults: bool = False):
-    """While in force, SIGTERM, SIGHUP and SIGINT raise ``StopRequested`` (once). ``only_defaults``: leave a
-    signal whose handler someone already chose (a launcher's own, or SIG_IGN under nohup). Outside the
+    """While in force, SIGTERM, SIGHUP and SIGINT raise ``StopRequested`` (once). A signal ignored (SIG_IGN:
+    nohup's SIGHUP) stays ignored; ``only_defaults``: so does one whose handler someone already chose (a
+    launcher's own). Outside the
     main thread (where Python cannot install handlers) it does nothing. Nested uses share one installation."""
     if not _main_thread():
         yield
@@ -109,8 +110,9 @@ def stop_on_signals(only_defaults: bool = False):
     if _State.holders == 0:
         _State.previous, _State.taken = {}, None
         for sig in STOP_SIGNALS:
-            if only_defaults and not _is_default(signal.getsignal(sig)):
-                continue
+            current = signal.getsignal(sig)
+            if current is signal.SIG_IGN or (only_defaults and not _is_default(current)):
+                continue  # ignored on purpose (nohup's SIGHUP, a background job's SIGINT), or someone else's
             _State.previous[sig] = signal.signal(sig, guarded(_request_stop))
     _State.holders += 1
     try:
