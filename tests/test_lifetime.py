@@ -55,6 +55,17 @@ def test_a_signal_is_held_back_until_the_child_is_recorded():
     assert recorded and recorded[0].wait(10) == 0  # and the child itself does not inherit the blocked signals
 
 
+def test_a_stop_that_came_through_counts_once_also_inside_a_longer_holder():
+    """A process that goes on after a stop (a test session, whose cluster holds the handlers) is stopped by the
+    next signal too."""
+    with lifetime.stop_on_signals(only_defaults=True):  # e.g. a session's LocalCluster
+        for _ in range(2):
+            with pytest.raises(lifetime.StopRequested):
+                with lifetime.stop_on_signals():
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(5)
+
+
 def test_an_ignored_signal_stays_ignored():
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # nohup
     try:

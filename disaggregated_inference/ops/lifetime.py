@@ -119,6 +119,7 @@ def stop_on_signals(only_defaults: bool = False):
         yield
     finally:
         _State.holders -= 1
+        _State.taken = None  # the stop that was taken has come through this context: the next signal counts again
         if _State.holders == 0:
             for sig, handler in _State.previous.items():
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
