@@ -29,6 +29,21 @@ MARK = "DISAGG_LIFETIME_TEST"
 
 # -- the mechanism, in this process ---------------------------------------------------------------
 
+@pytest.fixture(autouse=True)
+def fresh_lifetime():
+    """Each test of the mechanism starts with nothing installed (a session's cluster may hold the handlers
+    meanwhile); what was there is put back after."""
+    state = lifetime._State
+    saved = (state.holders, state.previous, state.taken, {sig: signal.getsignal(sig) for sig in lifetime.STOP_SIGNALS})
+    state.holders, state.previous, state.taken = 0, {}, None
+    for sig in lifetime.STOP_SIGNALS:
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    yield
+    state.holders, state.previous, state.taken = saved[:3]
+    for sig, handler in saved[3].items():
+        signal.signal(sig, handler)
+
+
 def test_a_stop_signal_raises_once_and_the_handlers_come_back():
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(lifetime.StopRequested) as caught:
