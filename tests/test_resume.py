@@ -53,7 +53,7 @@ def _decode(cluster) -> list:
 
 @pytest.fixture()
 def client(cluster):
-    for proc in _decode(cluster):
+    for proc in cluster.processes:
         thaw(proc)
         if proc.proc.poll() is not None:
             proc.restart()
@@ -115,6 +115,20 @@ def test_a_stream_continues_on_the_other_decode_server_with_the_same_text(client
     assert metrics["completion_tokens"] == LONG
     assert any("failed mid-answer" in w for w in metrics["warnings"])
     thaw(failed)
+
+
+def test_with_no_prefill_server_left_the_answer_goes_on_decode_only(client, cluster, reference):
+    prefill = next(p for p in cluster.processes if p.entry.role == "prefill")
+
+    def kill_both(decode):
+        _kill(prefill)
+        _kill(decode)
+
+    pieces, metrics, failed = _stream_with_a_failure(client, cluster, kill_both)
+    assert "".join(pieces) == reference
+    (move,) = metrics["resumed"]
+    assert move["to_prefill_server"] is None and move["method"] == "decode_only_fallback"
+    assert metrics["method"] == "decode_only_fallback" and metrics["decode_server"] != failed.entry.address
 
 
 def test_with_no_other_decode_server_the_error_comes_at_once(client, cluster):
