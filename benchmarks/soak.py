@@ -8,9 +8,11 @@ ports of its own; a server that dies is restarted as under ``disagg up``):
   ``generate`` and ``stream``, the gateway's OpenAI chat (whole) and Ollama generate (NDJSON stream);
 - **faults**, in turn, one at a time, each followed by a quiet spell: SIGKILL of a prefill and of a
   decode server, SIGSTOP of each for ``--fault-seconds``, a prefill server's lease store filled by
-  prefills that are never decoded, the gateway restarted under load. Link faults (the prefill ->
-  decode link cut or slowed in network namespaces, as ``benchmarks/link.py`` builds them) are not run
-  here: listed under ``skipped`` with the reason;
+  prefills that are never decoded, the gateway restarted under load. Then the link faults, on a pair
+  of their own (``link_faults``): a prefill and a decode server in two network namespaces joined by a
+  shaped veth, as ``benchmarks/link.py`` builds them, the link cut (mid-transfer, for requests under
+  way) and restored, then slowed to 100 Mbit/s; they need root, ``ip`` and ``tc``, else are skipped
+  with the reason (``--no-link`` skips them);
 - **records**: each request's outcome (answered, or failed with which error, by which path), and every
   ``--sample-every`` seconds each server's RSS, open files, threads and (prefill) leases.
 
@@ -30,8 +32,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -47,14 +51,12 @@ sys.path.insert(0, str(ROOT))
 import quick  # noqa: E402
 from disaggregated_inference.client import DisaggregatedClient  # noqa: E402
 from disaggregated_inference.ops.cluster import LocalCluster  # noqa: E402
+from disaggregated_inference.ops.lifetime import stop_on_signals  # noqa: E402
 from disaggregated_inference.ops.supervise import Supervisor  # noqa: E402
 from tests.faults import freeze, thaw  # noqa: E402
 
 PATHS = ("client.generate", "client.stream", "gateway.openai", "gateway.ollama_stream")
 FAULTS = ("kill_prefill", "kill_decode", "stop_prefill", "stop_decode", "fill_leases", "restart_gateway")
-SKIPPED = {"link_cut": "network-namespace link faults are not built into the soak yet (benchmarks/link.py has the "
-                       "namespaces; see docs/benchmarks.md)",
-           "link_slow_100mbit": "as link_cut"}
 
 
 def cluster_config(tiny: bool, progress_timeout: float, lease_seconds: float, max_lease_bytes: int) -> dict:
@@ -245,6 +247,118 @@ def inject(kind: str, cluster, turn: int, seconds: float) -> dict:
     return record
 
 
+# -- faults of the link (network namespaces, as benchmarks/link.py builds them) ----------------------------
+
+def link_faults(args) -> dict:
+    """A prefill and a decode server in two network namespaces joined by a shaped veth (benchmarks/link.py),
+    under load sent from beside the decode server: the link cut (both ends down) for ``--fault-seconds`` and
+    restored, then slowed to 100 Mbit/s for as long and restored. Each request's outcome, how it was served
+    (a handoff, or decode-only while no prefill server could be reached), and per fault the time from its
+    start to the first answer of a request sent after it. Needs root, ip and tc: without, skipped, saying so."""
+    import secrets
+
+    import link as emulated
+
+    problem = emulated.ShapedLink.unavailable()
+    if problem is not None:
+        return {"skipped": problem}
+    shaped = emulated.ShapedLink(args.link_gbit, 0.1)
+    try:
+        shaped.open()
+    except emulated.LinkUnavailable as exc:
+        shaped.close()
+        return {"skipped": str(exc)}
+    model = quick.tiny_model() if args.quick else "smollm2"
+    token = secrets.token_urlsafe(16)  # the servers listen beyond loopback (in their namespaces)
+    cfg = emulated.cluster_dict({"backend": "llama_cpp", "model": model, "n_ctx": 2048, "n_threads": 1,
+                                 "deterministic": True}, (emulated.PREFILL_ADDR, emulated.PORT),
+                                (emulated.DECODE_ADDR, emulated.PORT), token)
+    cfg["server"].update(lease_seconds=args.lease_seconds, kv_fetch_timeout=30, kv_progress_timeout=2.0,
+                         queue_timeout=60)
+    cfg["client"].update(prefill_timeout=60, decode_timeout=120, connect_timeout=1, failures_before_down=1,
+                         progress_timeout=args.progress_timeout, health_check_interval=0.5)
+    log_dir = Path(tempfile.mkdtemp(prefix="disagg-soak-link-"))
+    servers = emulated.NamespacedServers(cfg, shaped, log_dir).start()
+    rows: list[dict] = []
+    faults: list[dict] = []
+    stop = threading.Event()
+
+    def beside_the_decode_server(k: int) -> None:
+        fd = os.open(f"/run/netns/{shaped.decode_ns}", os.O_RDONLY)
+        emulated._setns(fd)  # this thread only; it ends with the load
+        with DisaggregatedClient(cfg, health_check=False) as client:
+            for n in itertools.count():
+                if stop.is_set():
+                    return
+                row = {"id": f"{k}-{n}", "sent": time.monotonic(), "done": None, "outcome": None}
+                rows.append(row)
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        _, m = client.generate(model="m", prompt=f"Link request {k}-{n}: " + "sales " * 200,
+                                               max_tokens=args.max_tokens, raw=True)
+                    row.update(outcome="answered", method=m["method"])
+                except Exception as exc:  # noqa: BLE001 - an outcome
+                    row.update(outcome="failed", error=f"{getattr(exc, 'code', type(exc).__name__)}: {exc}"[:300])
+                    stop.wait(0.2)
+                row["done"] = time.monotonic()
+
+    def set_link(command: str) -> None:
+        for ns, dev in ((shaped.prefill_ns, shaped.prefill_dev), (shaped.decode_ns, shaped.decode_dev)):
+            if command in ("up", "down"):
+                emulated._run("ip", "-n", ns, "link", "set", dev, command)
+            else:
+                burst = max(1 << 16, int(float(command) / 8 * 1e-3))
+                emulated._run("tc", "-n", ns, "qdisc", "change", "dev", dev, "root", "handle", "1:", "tbf",
+                              "rate", f"{float(command):.0f}bit", "burst", str(burst), "latency", "50ms")
+
+    try:
+        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        fd = os.open(f"/run/netns/{shaped.decode_ns}", os.O_RDONLY)
+        emulated._setns(fd)
+        try:
+            emulated.wait_healthy(emulated.session(token), [f"http://{emulated.PREFILL_ADDR}:{emulated.PORT}",
+                                                           f"http://{emulated.DECODE_ADDR}:{emulated.PORT}"],
+                                  servers.check_alive, timeout=600)
+        finally:
+            emulated._setns(home)
+        threads = [threading.Thread(target=beside_the_decode_server, args=(k,), daemon=True) for k in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(args.fault_seconds)
+        for kind, fault, restore in (("link_cut", "down", "up"),
+                                     ("link_slow_100mbit", str(100e6), str(args.link_gbit * 1e9))):
+            quick.say(f"fault: {kind}")
+            record = {"kind": kind, "start": time.monotonic()}
+            set_link(fault)
+            time.sleep(args.fault_seconds)
+            set_link(restore)
+            record["end"] = time.monotonic()
+            faults.append(record)
+            time.sleep(args.fault_seconds + args.progress_timeout)
+        stop.set()
+        for t in threads:
+            t.join(180)
+    finally:
+        stop.set()
+        servers.stop()
+        shaped.close()
+    began = min((r["sent"] for r in rows), default=0.0)
+    out = {"model": "tiny" if args.quick else "smollm2", "link_gbit": args.link_gbit,
+           "sent": len(rows), "answered": sum(r["outcome"] == "answered" for r in rows),
+           "failed": sum(r["outcome"] == "failed" for r in rows), "lost": sum(r["outcome"] is None for r in rows),
+           "methods": {m: sum(r.get("method") == m for r in rows) for m in {r.get("method") for r in rows} if m},
+           "errors": sorted({r["error"].split(":", 1)[0] for r in rows if r.get("error")}), "faults": []}
+    for f in faults:
+        first = min((r["done"] for r in rows if r["outcome"] == "answered" and r["sent"] >= f["start"]), default=None)
+        inside = [r for r in rows if r["done"] and r["sent"] < f["end"] + args.settle and r["done"] > f["start"]]
+        out["faults"].append({"kind": f["kind"], "start": round(f["start"] - began, 3), "end": round(f["end"] - began, 3),
+                              "time_to_first_answer_s": None if first is None else round(first - f["start"], 3),
+                              "requests": len(inside), "failed": sum(r["outcome"] == "failed" for r in inside),
+                              "decode_only": sum(r.get("method", "").startswith("decode_only") for r in inside)})
+    return out
+
+
 def _p50_max(values: list) -> dict:
     return {"p50": round(statistics.median(values), 3) if values else None,
             "max": round(max(values), 3) if values else None, "n": len(values)}
@@ -334,6 +448,7 @@ def plot(path: str, samples: list, faults: list, started: float) -> None:
     fig.savefig(path, dpi=90)
 
 
+@stop_on_signals()  # SIGTERM, SIGHUP, Ctrl-C: the servers stopped and the namespaces removed on the way out
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=1800.0, help="seconds of load")
@@ -347,6 +462,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lease-seconds", type=float, default=30.0, help="the servers' KV lease TTL")
     parser.add_argument("--max-lease-mb", type=float, default=256.0,
                         help="each prefill server's lease store (server.max_lease_bytes): what the fill fault fills")
+    parser.add_argument("--link-gbit", type=float, default=10.0, help="the emulated link's rate for the link faults")
+    parser.add_argument("--no-link", action="store_true", help="skip the link faults (they need root, ip and tc)")
     parser.add_argument("--plot", metavar="PNG", help="draw the resources over time, the faults marked")
     parser.add_argument("--json", action="store_true")
     quick.add_argument(parser)
@@ -355,7 +472,7 @@ def main(argv=None) -> int:
                        max_lease_mb=2.0)
     config = cluster_config(args.quick, args.progress_timeout, args.lease_seconds, int(args.max_lease_mb * 2**20))
     out = {"quick": args.quick, "duration_s": args.duration, "rate": args.rate, "max_tokens": args.max_tokens,
-           "servers": len(config["prefill_servers"]) + len(config["decode_servers"]), "skipped": SKIPPED}
+           "servers": len(config["prefill_servers"]) + len(config["decode_servers"])}
     with LocalCluster(config, free_ports=True, gateway=True) as cluster:
         cluster.wait_healthy(timeout=600)
         supervising = threading.Event()
@@ -388,6 +505,7 @@ def main(argv=None) -> int:
     out.update(figures(load.rows, faults, sampler.samples, args.settle, args.warmup, started))
     out["faults"] = [{**f, "start": round(f["start"] - started, 3), "end": round(f["end"] - started, 3)}
                      for f in faults]
+    out["link_faults"] = {"skipped": "--no-link"} if args.no_link else link_faults(args)
     if args.plot:
         plot(args.plot, sampler.samples, faults, started)
         out["plot"] = args.plot
