@@ -595,7 +595,8 @@ class DisaggregatedClient:
                                        local, started)
         metrics = resume.finish(self._local, served.metrics(started, notes))  # resume hook
         metrics.update(decision.as_metrics())
-        self._learn(model_key, source, served, metrics, clean=not notes and not served.decode_connect_retries)
+        self._learn(model_key, source, served, metrics,  # resume hook: a moved answer's times are no measure
+                    clean=not notes and not served.decode_connect_retries and "resumed" not in metrics)
         self._remember(model_key, metrics)
         return served.decode["generated_text"], metrics
 
