@@ -58,6 +58,10 @@ def client(cluster):
         if proc.proc.poll() is not None:
             proc.restart()
     cluster.wait_healthy(timeout=120)
+    deadline = time.monotonic() + 60  # and the gateway's client has seen them up again (its checks: every 0.5 s)
+    while time.monotonic() < deadline and not all(
+            s["up"] for s in requests.get(cluster.gateway.url + "/health", timeout=5).json()["servers"]):
+        time.sleep(0.2)
     with DisaggregatedClient(cluster.config, health_check=False) as c:
         c.check_health()
         yield c
@@ -203,10 +207,12 @@ def _reference_through_gateway(cluster, api: str) -> tuple[str, dict]:
         resp = requests.post(url + "/v1/chat/completions", json={
             "model": "qwen", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": LONG, "temperature": 0,
             "seed": 0, "ignore_eos": True}, timeout=180)
+        assert resp.status_code == 200, resp.text
         return resp.json()["choices"][0]["message"]["content"], resp.json()
     resp = requests.post(url + "/api/generate", json={"model": "qwen", "prompt": PROMPT, "stream": False,
                                                       "options": {"num_predict": LONG, "temperature": 0, "seed": 0}},
                          timeout=180)
+    assert resp.status_code == 200, resp.text
     return resp.json()["response"], resp.json()
 
 
