@@ -73,6 +73,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import quick  # noqa: E402
 from disaggregated_inference import config as cluster_config  # noqa: E402
 from disaggregated_inference.ops.cluster import LocalCluster  # noqa: E402
+from disaggregated_inference.ops.lifetime import guarded  # noqa: E402
 from disaggregated_inference.ops.doctor import Doctor  # noqa: E402
 from disaggregated_inference.ops.launch import server_command  # noqa: E402
 from disaggregated_inference.server.settings import from_cluster  # noqa: E402
@@ -446,7 +447,7 @@ def main(argv=None) -> int:
         link = ShapedLink(args.rate_gbit, args.delay_ms)
         atexit.register(link.close)
         for sig in (signal.SIGTERM, signal.SIGHUP):  # the namespaces go on these too (finally blocks run)
-            signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+            signal.signal(sig, guarded(lambda signum, frame: sys.exit(128 + signum)))
         try:
             link.open()
         except LinkUnavailable as exc:

@@ -74,6 +74,7 @@ sys.path.insert(0, str(ROOT))
 import quick  # noqa: E402  (benchmarks/quick.py: the shared --quick; peer.py keeps the servers' own OpenMP policy)
 from disaggregated_inference.backends.gguf import resolve_gguf  # noqa: E402
 from disaggregated_inference.ops.cluster import LocalCluster  # noqa: E402
+from disaggregated_inference.ops.lifetime import guarded  # noqa: E402
 
 BUILD_SCRIPT = ROOT / "scripts" / "build_llama_server.sh"
 ENDPOINTS = ("llama-server", "decode-server", "gateway")
@@ -470,7 +471,7 @@ def main(argv=None) -> int:
     parser.add_argument("--autogroup-nice", type=int, help="Linux: niceness of this run's sessions (root for < 0)")
     args = parser.parse_args(argv)
     # a run ended by SIGTERM (a CI timeout) still stops every server it started, through the with and finally
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGTERM, guarded(lambda signum, frame: sys.exit(128 + signum)))
     started_run = time.perf_counter()
     autogroup("self", args.autogroup_nice)
 

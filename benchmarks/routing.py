@@ -94,12 +94,13 @@ def main(argv=None) -> int:
 
     import throughput  # its prioritise: the servers' autogroups on a shared machine
     from disaggregated_inference.ops.cluster import LocalCluster
+    from disaggregated_inference.ops.lifetime import guarded
 
     throughput.AUTOGROUP_NICE = args.autogroup_nice
     throughput.prioritise()
 
     # a `timeout` or a kill ends the run through the finally below, which stops the servers
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, guarded(lambda *_: sys.exit(143)))
 
     data = json.loads((ROOT / "config_current.json").read_text())
     if args.quick:

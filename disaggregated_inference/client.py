@@ -46,6 +46,7 @@ from urllib3.exceptions import NewConnectionError, ReadTimeoutError
 
 from . import chat
 from . import config as cluster_config
+from . import resume  # issue 42: an answer survives its decode server
 from . import routing
 from .errors import BadRequest, DisaggError, NoServerAvailable, UpstreamError, UpstreamTimeout, from_body
 from .server.parse import Limits, parse_generate
@@ -253,12 +254,13 @@ class DisaggregatedClient:
         stream = path != "/prefill"
         watch = self._watch(server, path, timeout, body=body)
         lines = self._lines(server, path, {**body, "stream": True} if stream else body, watch)
+        pieces = _Pieces()
         try:
             if not stream:
                 answer = next(lines)
                 answer.pop("done", None)
             else:
-                pieces, answer = _Pieces(), None
+                answer = None
                 for line in lines:
                     if line.get("done"):
                         answer = pieces.answer(line)
@@ -266,6 +268,9 @@ class DisaggregatedClient:
                     pieces.add(line)
         except StopIteration:
             answer = None
+        except DisaggError as exc:  # resume hook: an answer that broke off mid-way (resume.py)
+            resume.broke_off(self._local, server, pieces.count, exc)
+            raise
         finally:
             lines.close()
         if answer is None:
@@ -577,6 +582,7 @@ class DisaggregatedClient:
                                            ignore_eos=ignore_eos, speculation=speculation)
         self.check_request(source, sampling)
         decision = self._route(model_key, source, route)
+        resume.begin(self._local)  # resume hook: moves of this request's answer between decode servers
 
         def local(method: str) -> Served:
             sent, retries = [], []
@@ -587,9 +593,10 @@ class DisaggregatedClient:
         served, notes = self._by_route(model_key, decision,
                                        lambda exclude: self._disaggregated(model_key, source, sampling, exclude),
                                        local, started)
-        metrics = served.metrics(started, notes)
+        metrics = resume.finish(self._local, served.metrics(started, notes))  # resume hook
         metrics.update(decision.as_metrics())
-        self._learn(model_key, source, served, metrics, clean=not notes and not served.decode_connect_retries)
+        self._learn(model_key, source, served, metrics,  # resume hook: a moved answer's times are no measure
+                    clean=not notes and not served.decode_connect_retries and "resumed" not in metrics)
         self._remember(model_key, metrics)
         return served.decode["generated_text"], metrics
 
@@ -717,7 +724,9 @@ class DisaggregatedClient:
 
         Routing, failover, the recompute of a lost KV and the decode-only fallback happen as in
         ``generate`` until the decode server's stream has opened (its answer arrives with the first
-        piece): after that the decode server is committed, and an error ends the stream by raising.
+        piece). After that, a decode server that dies or goes silent hands the answer to another one of
+        the model where one is up (``resume.py``: each piece once, ``metrics["resumed"]``); else the error
+        ends the stream by raising.
         ``on_route(route)``, if given, is called once the stream is open with what is known then:
         ``method`` (provisional for a handoff: the decode server reports the final one in the
         metrics), ``prefill_server``, ``decode_server``, ``kv_bytes`` (the bundle's size) and
@@ -739,11 +748,15 @@ class DisaggregatedClient:
                 s, "/generate", {**source, **sampling}, self.decode_timeout))
             return Served(decode_server, method, lines=lines)
 
-        served, notes = self._by_route(model_key, decision,
-                                       lambda exclude: self._open_disaggregated(model_key, source, sampling, exclude),
-                                       local, started)
+        def handoff(exclude):
+            return self._open_disaggregated(model_key, source, sampling, exclude)
+
+        served, notes = self._by_route(model_key, decision, handoff, local, started)
         lines, served.lines = served.lines, None
         served.first_piece_at = time.perf_counter()  # _open_stream returned once the first line had arrived
+        # -- resume hook (issue 42): a decode server that fails mid-answer hands the answer to another (resume.py)
+        moved = resume.Continuation(served, lambda: self._serve_by_route(model_key, decision, handoff, local),
+                                    lambda: self._candidates("decode", model_key), self._mark_failure)
         decode_server = served.decode_server
         with self._lock:  # busy for the whole stream, so that least-loaded routing sees it
             decode_server.outstanding += 1
@@ -755,7 +768,7 @@ class DisaggregatedClient:
                           "kv_bytes": kv.get("bytes", 0), "warnings": list(notes)})
             pieces, final = _Pieces(), None
             try:
-                for line in lines:  # an error line raises in _ndjson_lines
+                for line in moved.lines(lines):  # an error line raises in _ndjson_lines; resume hook
                     if line.get("done"):
                         final = line
                         break
@@ -774,12 +787,13 @@ class DisaggregatedClient:
                 decode_server.outstanding -= 1
         if final is None:
             raise UpstreamError(f"{decode_server.entry.name} ended its stream without a final line")
+        served = moved.served  # resume hook: the servers that finished the answer
         if not served.method.startswith("decode_only"):
             served.method = final["metrics"].get("method", "disaggregated")
         served.decode = pieces.answer(final)
-        metrics = served.metrics(started, notes)
+        metrics = moved.annotate(served.metrics(started, notes))  # resume hook: where it moved, what it recomputed
         metrics.update(decision.as_metrics())
-        self._learn(model_key, source, served, metrics, clean=not notes)
+        self._learn(model_key, source, served, metrics, clean=not notes and not moved.moves)  # resume hook
         self._remember(model_key, metrics)
         yield metrics
 
@@ -928,6 +942,11 @@ class _Pieces:
 
     def __init__(self):
         self.text, self.reasoning, self.calls = [], [], []
+
+    @property
+    def count(self) -> int:
+        """Lines kept so far (resume hook)."""
+        return len(self.text) + len(self.reasoning) + len(self.calls)
 
     def add(self, line: dict) -> tuple[str, object]:
         """Keep a line that is not the last; returns (``chat.CONTENT``, ``chat.REASONING`` or ``chat.TOOL_CALL``,

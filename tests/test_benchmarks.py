@@ -376,6 +376,28 @@ def test_link():
                         r["whole_transfer_s"], 6)
 
 
+def test_soak():
+    out = run_quick("soak.py")
+    assert out["sent"] == out["answered"] + out["failed"] + out["lost"] and out["sent"] > 20
+    assert out["lost"] == 0 and out["duplicated"] == 0
+    assert out["requests_inside_faults"] + out["requests_outside_faults"] == out["answered"] + out["failed"]
+    assert sum(out["errors_by_path_and_code"].values()) == out["failed"]
+    kinds = {f["kind"] for f in out["faults"]}
+    assert kinds == {"kill_prefill", "kill_decode", "stop_prefill", "stop_decode", "fill_leases", "restart_gateway"}
+    assert set(out["time_to_first_answer_after_fault_s"]) == kinds
+    assert all(f.get("back", True) for f in out["faults"])  # every killed server (and the gateway) came back
+    fill = next(f for f in out["faults"] if f["kind"] == "fill_leases")
+    assert fill["prefills_held"] > 0 and fill["refused"] > 0  # the store was filled: it refused more
+    assert out["leases_after_ttl"] == 0  # and nothing stays held past the leases' time
+    assert out["growth_per_1000_requests"]
+    link = out["link_faults"]
+    if "skipped" not in link:  # root, ip and tc here: the link was cut and slowed under load
+        assert [f["kind"] for f in link["faults"]] == ["link_cut", "link_slow_100mbit"]
+        assert link["sent"] == link["answered"] + link["failed"] + link["lost"] and link["lost"] == 0
+        assert sum(link["methods"].values()) == link["answered"]
+        assert all(f["requests"] > 0 for f in link["faults"])
+
+
 def test_every_benchmark_is_run_here():
     """A script added under benchmarks/ without a test above would break unnoticed."""
     scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - HELPERS

@@ -15,6 +15,7 @@ from disaggregated_inference.grading import grade_batch, load_rubric
 from disaggregated_inference.grading.fakes import FakeGradingClient
 from disaggregated_inference.grading.sandbox import find_sandbox
 from disaggregated_inference.observe.sampler import Sweep
+from disaggregated_inference.ops import lifetime
 from disaggregated_inference.webui import launcher, state
 
 WEBUI = Path(state.__file__).parent
@@ -268,7 +269,7 @@ def test_launcher_runs_streamlit_on_loopback(monkeypatch, tmp_path):
     started = {}
 
     class FakePopen:
-        def __init__(self, cmd, env):
+        def __init__(self, cmd, env, **popen):
             started.update(cmd=cmd, env=env)
 
         def wait(self, timeout=None):
@@ -276,7 +277,7 @@ def test_launcher_runs_streamlit_on_loopback(monkeypatch, tmp_path):
 
     config = tmp_path / "cluster.json"
     config.write_text(json.dumps({"prefill_servers": [], "decode_servers": []}))
-    monkeypatch.setattr(launcher.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(lifetime.subprocess, "Popen", FakePopen)
     assert launcher.main(["--config", str(config), "--out", str(tmp_path / "o")]) == 0
     cmd = started["cmd"]
     assert cmd[1:4] == ["-m", "streamlit", "run"] and cmd[4] == NAVIGATION

@@ -1,13 +1,13 @@
 """Command line of the grader (``business_analytics_grader_v2.py``): parse arguments, call the package.
 
-Ctrl-C (or SIGTERM) while grading stops the batch within seconds: no other notebook is
+Ctrl-C (or SIGTERM, or SIGHUP) while grading stops the batch within seconds: no other notebook is
 started, the requests in flight are cancelled, the local cluster is stopped, and a line says
 what was graded; the same command continues. A second Ctrl-C exits at once (the local
 cluster's servers are killed). Before grading has begun, Ctrl-C aborts.
 
 Exit codes: 0 graded (flagged submissions included), 1 some submissions could
 not be graded (the cluster did not answer) or another error, 2 a bad rubric,
-config or argument, 130 stopped by Ctrl-C or SIGTERM.
+config or argument, 130 stopped by Ctrl-C, SIGTERM or SIGHUP.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from .. import config as cluster_config
 from ..client import describe_overlap
 from ..errors import ConfigError, DisaggError, RubricError
+from ..ops.lifetime import STOP_SIGNALS, guarded
 from .batch import StderrProgress, grade_batch, pending
 from .connect import default_jobs, hurry_local_clusters, kill_local_clusters, open_client
 from .options import DEFAULT_SEED, GradingOptions
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class Interrupts:
-    """SIGINT and SIGTERM: while grading, the first sets ``stop`` (the batch ends cleanly); before, it
+    """SIGINT, SIGTERM and SIGHUP: while grading, the first sets ``stop`` (the batch ends cleanly); before, it
     aborts (KeyboardInterrupt); the second exits at once, killing the local cluster's servers."""
 
     def __init__(self):
@@ -100,7 +101,9 @@ class Interrupts:
 
     @contextmanager
     def installed(self):
-        previous = {sig: signal.signal(sig, self) for sig in (signal.SIGINT, signal.SIGTERM)}
+        # guarded: held back while a server of the local cluster is being started (ops/lifetime.py)
+        previous = {sig: signal.signal(sig, guarded(self)) for sig in STOP_SIGNALS
+                    if signal.getsignal(sig) is not signal.SIG_IGN}  # nohup's SIGHUP stays ignored
         try:
             yield self
         finally:

@@ -1,14 +1,14 @@
 """``disagg``: run the local cluster, serve one server, send a prompt, check health.
 
 Errors of the package become exit codes here: 2 for configuration or usage
-problems, 1 for everything else.
+problems, 1 for everything else; a stop signal before the cluster is up, 128 + its
+number (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP), after its servers are stopped.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -17,6 +17,7 @@ from dataclasses import replace
 from .. import __version__
 from .. import config as cluster_config
 from ..errors import ConfigError, DisaggError
+from .lifetime import StopRequested, stop_on_signals
 
 DEMO_PROMPTS = {
     "qwen": "Explain in two sentences what this Python does:\n\nimport pandas as pd\n"
@@ -60,18 +61,19 @@ def _start_cluster(args, free_ports: bool, gateway: bool = False):
     return cluster
 
 
+@stop_on_signals()
 def cmd_up(args) -> int:
+    """Start the cluster and keep it running until a stop signal: 0 once it was up (the usual end),
+    128 + the signal's number when it came during the start-up (the servers started so far are stopped)."""
     cluster = _start_cluster(args, free_ports=False, gateway=not args.no_gateway)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     _say("cluster running; a server that exits is restarted; Ctrl-C to stop")
     try:
         from .supervise import Supervisor
 
-        Supervisor(cluster, _say).run(stop)
+        Supervisor(cluster, _say).run(threading.Event())  # until a stop signal raises StopRequested
+    except StopRequested as stop:
+        _say(f"{stop.name}: stopping servers...")
     finally:
-        _say("stopping servers...")
         cluster.stop()
         _say("stopped")
     return 0
@@ -155,6 +157,7 @@ def demo_job(model: str, base: bool, max_tokens: int) -> dict:
             "max_tokens": max_tokens, "seed": 0}
 
 
+@stop_on_signals()
 def cmd_demo(args) -> int:
     from ..client import DisaggregatedClient, describe_overlap
 
@@ -388,8 +391,10 @@ def main(argv=None) -> int:
     except DisaggError as exc:
         _say(f"disagg: {exc.message}")
         return 1
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:  # StopRequested (SIGTERM, SIGHUP, SIGINT): its own code
+        if isinstance(exc, StopRequested):
+            _say(f"disagg: stopped by {exc.name}; the servers it started are stopped")
+        return getattr(exc, "exit_code", 130)
 
 
 if __name__ == "__main__":

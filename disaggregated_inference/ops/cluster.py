@@ -3,7 +3,8 @@
 The launcher binds each listening socket itself (port 0 picks a free port) and
 hands it to gunicorn as ``fd://N``, so there is no race for ports and a port
 already in use is reported before any model loads. ``stop()`` ends only the
-processes this launcher started.
+processes this launcher started; ``ops/lifetime.py`` makes sure that whatever stops the
+launcher (SIGTERM, SIGHUP, SIGINT, at any moment of its start-up) stops them too.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +26,7 @@ import requests
 from .. import config as cluster_config
 from ..errors import ConfigError, DisaggError
 from .launch import check_exposure, gateway_command, server_command
+from .lifetime import critical, spawn, stop_on_signals
 from ..server.settings import from_cluster
 
 
@@ -47,15 +50,14 @@ class ServerProcess:
     def start(self, extra_env: dict | None = None) -> None:
         cmd, env = self.command({**os.environ, **(extra_env or {})})
         env.setdefault("PYTHONUNBUFFERED", "1")
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                     pass_fds=(self.sock.fileno(),), start_new_session=True)
-        self._terminated = False
-        log.close()
-        # The server owns the socket now; keeping our copy open would let the kernel accept
-        # connections for a dead server, and clients would hang instead of being refused.
-        self.sock.close()
         self._extra_env = extra_env
+        with open(self.log_path, "ab") as log, critical():  # no stop signal between the fork and self.proc
+            self.proc = spawn(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                              pass_fds=(self.sock.fileno(),), start_new_session=True)
+            self._terminated = False
+            # The server owns the socket now; keeping our copy open would let the kernel accept
+            # connections for a dead server, and clients would hang instead of being refused.
+            self.sock.close()
 
     def restart(self) -> None:
         """Start the server again on the same port (after ``kill`` or ``stop``)."""
@@ -146,12 +148,15 @@ class LocalCluster:
         self._run = uuid.uuid4().hex[:12]
         self.gateway: GatewayProcess | None = None
         self._with_gateway = gateway
+        self._signals = ExitStack()  # stop_on_signals() while the cluster runs
         if gateway and cfg.gateway["host"] not in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
             raise ConfigError(f"{cfg.source}: the gateway is on {cfg.gateway['host']}; the local cluster only "
                               "starts it on this machine", field="gateway.host")
 
     def start(self) -> "LocalCluster":
         try:
+            # before the first server: a stop signal from here on stops what was started (ops/lifetime.py)
+            self._signals.enter_context(stop_on_signals(only_defaults=True))
             bound = []
             for entry in self.entries:
                 sock = _bind(entry.host, 0 if self._free_ports else entry.port)
@@ -165,8 +170,8 @@ class LocalCluster:
                     settings = replace(settings, core_group=f"{settings.core_group}#{self._run}")
                 check_exposure(settings, entry.url.split("://", 1)[1])  # 0.0.0.0 without a token: refused
                 proc = ServerProcess(entry, settings, sock, self.log_dir / f"{entry.name}.log")
+                self.processes.append(proc)  # listed first: stop() covers it from its very start
                 proc.start(self.env)
-                self.processes.append(proc)
             if self._with_gateway:
                 self.start_gateway()
         except BaseException:
@@ -178,9 +183,10 @@ class LocalCluster:
         host = self.source.gateway["host"]
         sock = _bind(host, 0 if self._free_ports else self.source.gateway["port"])
         entry = cluster_config.ServerEntry("gateway", "gateway", host, sock.getsockname()[1], "")
-        self.gateway = GatewayProcess(entry, self.config, sock, self.log_dir / "gateway.log")
-        self.gateway.start(self.env)
-        return self.gateway
+        gateway = GatewayProcess(entry, self.config, sock, self.log_dir / "gateway.log")
+        self.gateway = gateway
+        gateway.start(self.env)
+        return gateway
 
     @property
     def config(self) -> dict:
@@ -232,13 +238,29 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Stop the gateway, then every server: all asked at once, each then waited for (15 s, then
-        SIGKILL), so that stopping takes the slowest server's time, not the sum."""
-        if self.gateway is not None:
-            self.gateway.stop()
-        for proc in self.processes:
-            proc.terminate()
-        for proc in self.processes:
-            proc.stop()
+        SIGKILL), so that stopping takes the slowest server's time, not the sum. Interrupted (a second
+        Ctrl-C, say), it kills what is left at once and lets the interruption go on."""
+        try:
+            if self.gateway is not None:
+                self.gateway.stop()
+            for proc in self.processes:
+                proc.terminate()
+            for proc in self.processes:
+                proc.stop()
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            self._signals.close()
+
+    def kill(self) -> None:
+        """SIGKILL to every process group this cluster started, the gateway's included."""
+        for proc in [self.gateway, *self.processes]:
+            if proc is not None and proc.proc is not None:
+                try:
+                    proc.kill()
+                except (OSError, subprocess.TimeoutExpired):  # already gone, or not reaped in time: go on
+                    pass
 
     def __enter__(self):
         return self.start()

@@ -13,15 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from .. import config as cluster_config
 from ..errors import ConfigError, DisaggError
+from ..ops.lifetime import critical, spawn, stop_on_signals
 from . import state
 
 APP = Path(__file__).with_name("navigation.py")
@@ -52,13 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt  # SIGTERM too: stop streamlit and the local cluster on the way out
-
-
+@stop_on_signals()  # SIGTERM, SIGHUP, Ctrl-C: stop streamlit and the local cluster on the way out
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, _interrupt)
     cluster, cluster_file = None, None
     try:
         cfg = cluster_config.load(args.config)
@@ -85,23 +80,23 @@ def main(argv=None) -> int:
         port = args.port or free_port(args.host)
         print(f"grader web interface: http://{args.host}:{port}  (Ctrl-C stops it"
               + (" and the local cluster)" if cluster else ")"), file=sys.stderr, flush=True)
-        proc = subprocess.Popen(streamlit_command(args.host, port), env=env)
+        with critical():
+            proc = spawn(streamlit_command(args.host, port), env=env)
         try:
             return proc.wait()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             proc.terminate()
             proc.wait(10)
-            return 130
+            return getattr(exc, "exit_code", 130)
     except ConfigError as exc:
         print(f"grader web interface: configuration error: {exc.message}", file=sys.stderr)
         return 2
     except DisaggError as exc:
         print(f"grader web interface: {exc.message}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:
+        return getattr(exc, "exit_code", 130)
     finally:
-        signal.signal(signal.SIGTERM, previous)
         if cluster is not None:
             cluster.stop()
         if cluster_file:
