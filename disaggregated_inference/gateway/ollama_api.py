@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from flask import Blueprint, Response, g
 
 from .. import __version__
-from ..server.web import STREAM_HEADERS
+from ..http import STREAM_HEADERS
 from . import sse
 from .relay import complete, fact_headers, facts, json_body, open_stream, state
 from .parse import GatewayRequest, api_field, parse_model_name, parse_ollama_chat, parse_ollama_generate

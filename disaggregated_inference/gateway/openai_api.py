@@ -21,7 +21,7 @@ import uuid
 from flask import Blueprint, Response
 
 from . import sse
-from ..server.web import STREAM_HEADERS
+from ..http import STREAM_HEADERS
 from .relay import complete, fact_headers, facts, json_body, open_stream, openai_type, state
 from .parse import GatewayRequest, api_field, parse_openai_chat, parse_openai_completion
 

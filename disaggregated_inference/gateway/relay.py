@@ -18,8 +18,7 @@ from .. import chat
 from .. import config as cluster_config
 from ..client import DisaggregatedClient
 from ..errors import DisaggError, ModelNotFound
-from ..server.parse import parse_json
-from ..server.web import read_body
+from ..http import parse_json, read_body
 from .metrics import GatewayMetrics
 from .parse import GatewayRequest
 
@@ -150,7 +149,7 @@ def json_body():
     """The request's JSON body, or a 400/408/413 that says what is wrong with it. Any Content-Type is
     read as JSON (``curl -d`` sends a form's); the size and the time to send it are bounded as on
     the servers (the config's ``server.max_request_bytes`` and ``server.body_timeout``), and the JSON
-    is checked as they check it (``server/parse.py``'s ``parse_json``: nesting, duplicate keys, text)."""
+    is checked as they check it (``http.parse_json``: nesting, duplicate keys, text)."""
     limits = state().config.server
     g.body = parse_json(read_body(limits["max_request_bytes"], limits["body_timeout"]))
     return g.body

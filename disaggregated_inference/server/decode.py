@@ -40,6 +40,7 @@ from ..kv.bundle import KIND_NEUTRAL_KV, KIND_TOKEN_IDS
 from ..errors import BadRequest, CanaryMismatch, DisaggError
 from ..kv.receive import fetch
 from .settings import resolve
+from ..wire import Final, Piece
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ def event_lines(events, received_at: float, extra: dict, observe, status=None, h
         for event in itertools.chain([head] if head is not None else [], events):
             if event.done:
                 metrics = _finish(event.metrics, extra, first_at, received_at, observe)
-                yield {"done": True, "finish_reason": metrics.pop("finish_reason", None), "metrics": metrics}
+                yield Final(metrics.pop("finish_reason", None), metrics).write()
             else:
                 first_at = first_at or time.perf_counter()
                 if status is not None:
@@ -163,11 +164,7 @@ def run_events(events, received_at: float, extra: dict, stream: bool, observe=la
 
 def _line(event) -> dict:
     """A stream's line for one piece of a generation: of the answer, of the reasoning, or a tool call."""
-    if event.reasoning is not None:
-        return {"reasoning": event.reasoning, "done": False}
-    if event.tool_call is not None:
-        return {"tool_call": event.tool_call, "done": False}
-    return {"text": event.piece, "done": False}
+    return Piece(text=event.piece, reasoning=event.reasoning, tool_call=event.tool_call).write()
 
 
 def create_app(config=None, backend=None) -> Flask:

@@ -1,106 +1,23 @@
 """Typed request bodies, parsed once at the edge of the servers.
 
-``parse_json`` turns a body's bytes into JSON that every later step can walk
-safely (or a 400 naming ``body``, or the field at fault); each ``parse_*`` takes
-that JSON and returns a frozen dataclass, or raises ``BadRequest`` naming the
-offending field. Handlers never call ``.get()`` on raw bodies. The gateway
-parses its bodies with ``parse_json`` too.
+Each ``parse_*`` takes a body's JSON (``http.parse_json``) and returns a frozen
+dataclass, or raises ``BadRequest`` naming the offending field. Handlers never
+call ``.get()`` on raw bodies.
 """
 from __future__ import annotations
 
 import json
-import math
-import re
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 from .. import chat
 from ..backends.base import Prompt, Sampling
 from ..backends.speculate import PROPOSERS, requested_proposer
 from ..errors import BadRequest, PayloadTooLarge
-from ..kv.receive import KVRef
+from ..http import MAX_JSON_DEPTH, check_text, parse_json  # noqa: F401  (the servers' bodies)
+from ..wire import HANDOFF_MODES, KVRef, read_kv_ref
 
 MAX_STOP_SEQUENCES = 16
 MAX_SCHEMA_DEPTH = 32  # nesting of a json_schema: grammar compile time grows with it
-# Nesting of a whole request body (objects and arrays): far below what Python's recursive JSON encoder,
-# the chat template and the grammar compiler reach (about 1,000), far above what any request needs (a
-# json_schema at its own limit sits at depth 36 of an OpenAI body)
-MAX_JSON_DEPTH = 128
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class _Refused(ValueError):
-    """Something JSON's grammar allows that a request body may not hold (duplicate keys, NaN, Infinity)."""
-
-
-def _pairs(pairs: list) -> dict:
-    seen = set()
-    for key, _ in pairs:
-        if key in seen:  # which one counts differs between parsers: refused, not guessed
-            raise _Refused(f"duplicate key {key!r}: a body may name each key once")
-        seen.add(key)
-    return dict(pairs)
-
-
-def _constant(name: str):
-    raise _Refused(f"{name} is not a JSON number")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise _Refused(f"{text} is beyond the range of a number")
-    return value
-
-
-def parse_json(data: bytes):
-    """A request body's bytes as JSON, or ``BadRequest``: malformed JSON or text that is not UTF-8
-    (naming ``body``), duplicate keys, NaN or Infinity, a number beyond a float's range, nesting beyond
-    ``MAX_JSON_DEPTH`` (naming ``body``), a string holding a lone surrogate (``"\\ud800"``, which no
-    encoder downstream can write: naming the field, ``messages[0].content``)."""
-    if not data:
-        raise BadRequest("request body is empty; send a JSON object", field="body")
-    try:
-        value = json.loads(data, object_pairs_hook=_pairs, parse_constant=_constant, parse_float=_finite)
-    except RecursionError:
-        raise BadRequest(f"JSON body nested deeper than {MAX_JSON_DEPTH} levels", field="body") from None
-    except _Refused as exc:
-        raise BadRequest(f"JSON body refused: {exc}", field="body") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"malformed JSON body: {exc}", field="body") from None
-    check_json(value)
-    return value
-
-
-def _field(path: tuple) -> str:
-    name = ""
-    for part in path:
-        name += f"[{part}]" if isinstance(part, int) else (f".{part}" if name else str(part))
-    return name or "body"
-
-
-def check_json(value, depth_limit: int = MAX_JSON_DEPTH) -> None:
-    """Nesting within ``depth_limit`` (400 naming ``body``) and every string, keys included, encodable as
-    UTF-8 (400 naming its field). Walked without recursion: a deep body cannot exhaust the stack here."""
-    stack = [(value, 1, ())]
-    while stack:
-        node, depth, path = stack.pop()
-        if isinstance(node, str):
-            if _SURROGATE.search(node):
-                check_text(node, _field(path))
-            continue
-        if depth > depth_limit:
-            raise BadRequest(f"JSON body nested deeper than {depth_limit} levels", field="body")
-        if isinstance(node, dict):
-            for key, item in node.items():
-                if _SURROGATE.search(key):
-                    check_text(key, _field(path + (key,)))
-                if isinstance(item, (str, dict, list)):
-                    stack.append((item, depth + 1, path + (key,)))
-        else:  # a list
-            for i, item in enumerate(node):
-                if isinstance(item, (str, dict, list)):
-                    stack.append((item, depth + 1, path + (i,)))
 
 
 @dataclass(frozen=True)
@@ -113,14 +30,6 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
-
-
-def check_text(value: str, field: str) -> None:
-    """A lone surrogate (JSON's "\\ud800") cannot be encoded as UTF-8: refuse it here, not in the tokenizer."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise BadRequest(f"'{field}' is not valid text: {exc.reason} at character {exc.start}", field=field) from None
 
 
 def _message_chars(m: dict) -> int:
@@ -335,30 +244,6 @@ def parse_prefill(body, limits: Limits = DEFAULT_LIMITS, max_lease_seconds: floa
     )
 
 
-HANDOFF_MODES = ("whole", "streamed")
-
-
-def parse_kv_ref(value) -> KVRef:
-    if not isinstance(value, dict):
-        raise BadRequest("'kv' must be the object a /prefill answer gave", field="kv")
-    for key in ("url", "handle"):
-        if not isinstance(value.get(key), str) or not value[key]:
-            raise BadRequest(f"'kv.{key}' must be a non-empty string", field=f"kv.{key}")
-    if not value["url"].startswith(("http://", "https://")):
-        raise BadRequest("'kv.url' must be an http(s) URL", field="kv.url")
-    if urlsplit(value["url"]).path.rsplit("/kv/", 1)[-1] != value["handle"]:
-        raise BadRequest("'kv.handle' is not the handle in 'kv.url' (…/kv/<handle>)", field="kv.handle")
-    size = value.get("bytes")
-    crc = value.get("crc32c")
-    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
-        raise BadRequest("'kv.bytes' must be a non-negative integer", field="kv.bytes")
-    if crc is not None and (not isinstance(crc, int) or isinstance(crc, bool)):
-        raise BadRequest("'kv.crc32c' must be an integer", field="kv.crc32c")
-    mode = value.get("mode", "whole")
-    if mode not in HANDOFF_MODES:
-        raise BadRequest(f"'kv.mode' must be one of {', '.join(HANDOFF_MODES)}", field="kv.mode")
-    return KVRef(url=value["url"], handle=value["handle"], bytes=size, crc32c=crc, streamed=mode == "streamed")
-
 
 # The other spellings of what /decode continues from, which clients written to the design documents
 # send: "kv_cache" for "kv", and "context" (the token ids /prefill answered with, beside the original
@@ -374,10 +259,7 @@ def _kv_cache(value) -> KVRef:
     if not isinstance(value, dict):
         raise BadRequest("'kv_cache' must be the 'kv' object a /prefill answer gave (the decode server pulls the "
                          "KV from the prefill server itself; KV bytes are not accepted inside JSON)", field="kv_cache")
-    try:
-        return parse_kv_ref(value)
-    except BadRequest as exc:  # name the field as the request spelled it
-        raise BadRequest(exc.message.replace("'kv", "'kv_cache"), field=exc.field.replace("kv", "kv_cache", 1)) from None
+    return read_kv_ref(value, "kv_cache")  # naming the field as the request spelled it
 
 
 def _decode_source(body: dict) -> tuple[KVRef | None, tuple | None]:
@@ -394,7 +276,7 @@ def _decode_source(body: dict) -> tuple[KVRef | None, tuple | None]:
                              "to generate from a prompt alone, POST /generate", field="prompt")
         _typed(body, "prompt", str, None, what="a string (the prompt the context came from)")
     if key == "kv":
-        return parse_kv_ref(body["kv"]), None
+        return read_kv_ref(body["kv"]), None
     if key == "kv_cache":
         return _kv_cache(body["kv_cache"]), None
     tokens = body[key]
