@@ -90,16 +90,13 @@ class PrefillAnswer:
     kv: KVRef
     context: tuple
     metrics: dict
+    prompt_tokens: int = 0
     model: str | None = None  # as the server's /health names it
     model_key: str | None = None  # the config's key
     server: str | None = None
     fingerprint: dict | None = None
     handoff_mode: str = "whole"
     handoff_mode_reason: str | None = None
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.context)
 
     @property
     def handoff(self) -> str | None:
@@ -125,6 +122,7 @@ class PrefillAnswer:
                     sent_as=kv.get("sent_as"), expires_at=kv.get("expires_at"),
                     lease_seconds=kv.get("lease_seconds"))
         return cls(kv=ref, context=tuple(body.get("context") or ()), metrics=dict(body.get("metrics") or {}),
+                   prompt_tokens=body.get("prompt_tokens") or len(body.get("context") or ()),
                    model=body.get("model"), model_key=body.get("model_key"), server=body.get("server"),
                    fingerprint=body.get("fingerprint"), handoff_mode=body.get("handoff_mode") or "whole",
                    handoff_mode_reason=body.get("handoff_mode_reason"))
@@ -186,6 +184,33 @@ class ErrorLine:
 
     def write(self) -> dict:
         return {**self.body, "status": self.status, "done": True}
+
+
+@dataclass(frozen=True)
+class DecodeAnswer:
+    """A /decode or /generate answer whole: its text, why it ended, the decode's figures, and what the model's
+    chat format read apart from the text (``reasoning``, ``tool_calls``). A stream brings it piece by piece."""
+
+    generated_text: str
+    finish_reason: str | None
+    metrics: dict = field(default_factory=dict)
+    reasoning: str | None = None
+    tool_calls: list | None = None
+
+    def write(self) -> dict:
+        body = {"generated_text": self.generated_text, "finish_reason": self.finish_reason, "metrics": self.metrics}
+        if self.reasoning:
+            body["reasoning"] = self.reasoning
+        if self.tool_calls:
+            body["tool_calls"] = self.tool_calls
+        return body
+
+    @classmethod
+    def read(cls, body: dict) -> DecodeAnswer:
+        if not isinstance(body, dict):
+            raise ValueError("a decode answer is a JSON object")
+        return cls(body.get("generated_text") or "", body.get("finish_reason"), body.get("metrics") or {},
+                   body.get("reasoning"), body.get("tool_calls"))
 
 
 @dataclass(frozen=True)

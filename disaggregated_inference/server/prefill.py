@@ -132,6 +132,7 @@ def create_app(config=None, backend=None) -> Flask:
             # continues from them by recomputing the prompt; "kv" hands over the KV itself
             context=tuple(int(t) for t in tokens),
             metrics=metrics,
+            prompt_tokens=len(tokens),
             model=st.backend.served_model(),  # as /health names it; "model_key" is the config's key
             model_key=settings.model.name,
             server=settings.name,
