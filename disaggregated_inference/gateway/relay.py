@@ -84,7 +84,7 @@ def complete(req: GatewayRequest, api: str) -> tuple[str, dict]:
     st = state()
     label = _model_label(req.model)
     try:
-        text, metrics = st.client.generate(**req.client_kwargs())
+        text, metrics = st.client.generate(req.request)
     except DisaggError as exc:
         st.metrics.finished(api, label, None, exc.code)
         raise
@@ -104,7 +104,7 @@ def open_stream(req: GatewayRequest, api: str):
     label = _model_label(req.model)
     arrived = g.arrived
     route: dict = {}
-    pieces = st.client.stream(**req.client_kwargs(), on_route=route.update, parts=True)
+    pieces = st.client.stream(req.request, on_route=route.update, parts=True)
     try:
         first = next(pieces)
     except DisaggError as exc:
