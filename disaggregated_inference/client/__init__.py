@@ -93,6 +93,13 @@ class DisaggregatedClient(ServerPool, Transport, Handoff):
         none is up."""
         request.check(self.limits)
 
+    def _admit(self, request: GenerationRequest, route: str | None) -> tuple[str, dict, routing.Decision]:
+        """A request checked and routed: (its model's key, its prompt part, the router's decision)."""
+        model_key = self.config.resolve_model(request.model)
+        self.check_request(request)
+        source = request.prompt_body()
+        return model_key, source, self._route(model_key, source, route)
+
     def generate(self, model: str | GenerationRequest, prompt: str | None = None, max_tokens: int = 256,
                  temperature: float = 0.0, *, messages: list | None = None, top_p: float = 1.0,
                  seed: int | None = None, stop=None, json_schema: dict | None = None, raw: bool = False,
@@ -123,10 +130,7 @@ class DisaggregatedClient(ServerPool, Transport, Handoff):
     def serve(self, request: GenerationRequest, route: str | None = None) -> tuple[str, RequestMetrics]:
         """``generate`` for a ``GenerationRequest``, its metrics as their type."""
         started = time.perf_counter()
-        model_key = self.config.resolve_model(request.model)
-        self.check_request(request)
-        source = request.prompt_body()
-        decision = self._route(model_key, source, route)
+        model_key, source, decision = self._admit(request, route)
 
         def local(method: Method) -> Served:
             sent, retries = [], []
@@ -176,10 +180,7 @@ class DisaggregatedClient(ServerPool, Transport, Handoff):
                      parts: bool = False):
         """``stream`` for a ``GenerationRequest``: its pieces, then its metrics as their type."""
         started = time.perf_counter()
-        model_key = self.config.resolve_model(request.model)
-        self.check_request(request)
-        source = request.prompt_body()
-        decision = self._route(model_key, source, route)
+        model_key, source, decision = self._admit(request, route)
 
         def local(method: Method) -> Served:
             decode_server, lines = self._on("decode", model_key, lambda s: self._open_stream(
