@@ -225,15 +225,7 @@ class GenerationRequest:
         """A /generate body: the decode server alone."""
         return {**self.prompt_body(), **self.sampling_body(), **extra}
 
-    def prompt_chars(self) -> int:
-        """Characters of the prompt (prompt or messages' contents, and system): what routing weighs."""
-        n = len(self.prompt or "") + len(self.system or "")
-        for message in self.messages or ():
-            content = message.get("content") if isinstance(message, dict) else None
-            n += len(content) if isinstance(content, str) else 0
-        return n
-
-    def check(self, limits: Limits = None) -> None:
+    def check(self, limits: Limits | None = None) -> None:
         """Refuse what every server would (``BadRequest``, ``PayloadTooLarge``, naming the field as the servers
         do): the request parsed as a decode server parses a /generate, with ``limits``."""
         body = self.generate_body()

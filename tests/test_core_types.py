@@ -93,7 +93,6 @@ def test_a_request_turns_itself_into_the_bodies_the_servers_parse():
     assert dec.stream and dec.sampling.max_new_tokens == 7 and dec.sampling.stop == ("END",)
     assert dec.sampling.seed == 3 and dec.sampling.json_schema == {"type": "object"}
     assert parse_generate(request.generate_body()).sampling.tools is not None
-    assert request.prompt_chars() == 2
 
 
 def test_a_request_is_checked_as_the_servers_check_it():
