@@ -40,7 +40,7 @@ from ..kv.bundle import KIND_NEUTRAL_KV, KIND_TOKEN_IDS
 from ..errors import BadRequest, CanaryMismatch, DisaggError
 from ..kv.receive import fetch
 from .settings import resolve
-from ..wire import Final, Piece
+from ..wire import DecodeAnswer, Final, Piece
 
 log = logging.getLogger(__name__)
 
@@ -142,12 +142,8 @@ def run_events(events, received_at: float, extra: dict, stream: bool, observe=la
             else:
                 pieces.append(event.piece)
         metrics = _finish(metrics, extra, first_at, received_at, observe)
-        body = {"generated_text": "".join(pieces)}
-        if reasoning:
-            body["reasoning"] = "".join(reasoning)
-        if calls:
-            body["tool_calls"] = calls
-        return web.json_response({**body, "finish_reason": metrics.pop("finish_reason", None), "metrics": metrics})
+        return web.json_response(DecodeAnswer("".join(pieces), metrics.pop("finish_reason", None), metrics,
+                                              "".join(reasoning) or None, calls or None).write())
 
     head = next(events, None)  # errors before the first event propagate from here
     head_at = time.perf_counter() if head is not None and not head.done else None
