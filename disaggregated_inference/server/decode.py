@@ -40,6 +40,7 @@ from ..kv.bundle import KIND_NEUTRAL_KV, KIND_TOKEN_IDS
 from ..errors import BadRequest, CanaryMismatch, DisaggError
 from ..kv.receive import fetch
 from .settings import resolve
+from ..metrics import Method
 from ..wire import DecodeAnswer, Final, Piece
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ def check_vocabulary(tokens, backend) -> None:
 
 def _finish(metrics: dict, extra: dict, first_at: float | None, received_at: float, observe) -> dict:
     out = {**extra, **metrics}
+    if out.get("method") is not None:  # an engine's word for how it served, one of the documented ones
+        out["method"] = Method(out["method"]).value
     out["ttft"] = round(first_at - received_at, 6) if first_at is not None else None
     out["server_time"] = round(time.perf_counter() - received_at, 6)
     observe(out)
