@@ -58,6 +58,9 @@ __all__ = ["DisaggregatedClient", "FallbackWarning", "GenerationRequest", "Track
 
 
 class DisaggregatedClient(ServerPool, Transport, Handoff):
+    """The cluster's client: ``generate`` / ``stream`` (keyword arguments, or a ``GenerationRequest``; metrics as
+    a dict), ``serve`` / ``serve_stream`` (a ``GenerationRequest``; metrics as ``RequestMetrics``)."""
+
     def __init__(self, config=None, *, health_check: bool = True, api_token: str | None = None):
         self.config = cluster_config.coerce(config)
         opts = self.config.client

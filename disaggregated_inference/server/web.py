@@ -19,8 +19,7 @@ from .. import __version__, backends
 from ..backends import options
 from ..backends.base import Prompt, check_fits
 from ..kv.canary import CanaryPolicy
-from ..errors import (BadRequest, DisaggError, ModelNotFound, PayloadTooLarge, RequestTimeout, Unauthorized,
-                      UnsupportedMediaType)
+from ..errors import DisaggError, ModelNotFound, Unauthorized, UnsupportedMediaType
 from ..kv.receive import socket_buffer_in_effect
 from ..tuning import copy_tunable_in_effect
 from .. import http
