@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from ..backends.base import Prompt, Sampling
 from ..errors import BadRequest
 from ..fields import format_schema, known_keys, number, require_object, typed
-from ..http import MAX_JSON_DEPTH, check_text, parse_json  # noqa: F401  (the servers' bodies)
-from ..request import DEFAULT_LIMITS, Limits, parse_prompt, parse_sampling  # noqa: F401  (Limits: web.py)
+from ..request import DEFAULT_LIMITS, Limits, parse_prompt, parse_sampling
 from ..wire import HANDOFF_MODES, KVRef, read_kv_ref
 
 

@@ -27,7 +27,7 @@ from ..http import STREAM_HEADERS, arrival_limits, parse_json  # noqa: F401  (ar
 from . import resources  # psutil: imported with the app (metrics.py samples it for /metrics too)
 from . import admission, cores
 from .metrics import ServerMetrics
-from .parse import Limits
+from ..request import Limits
 from .owner import ModelOwner
 from .settings import ServerSettings
 
