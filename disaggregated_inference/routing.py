@@ -162,7 +162,7 @@ class CostModel:
     def _observe_local(self, decode, dec, ttft) -> None:
         # the tokens it evaluated (a prefix cache hit evaluates fewer than the prompt holds)
         tokens = dec.get("prompt_tokens_recomputed") or dec.get("prompt_tokens") or 0
-        took = dec.get("prompt_eval_time") or 0.0
+        took = dec.get("prefill_time") or 0.0
         if tokens >= MIN_TOKENS_FOR_SPEED and took > 0:
             self._avg("local_speed", decode).add(tokens / took)
         if ttft is not None:

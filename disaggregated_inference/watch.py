@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 
 from .errors import UpstreamTimeout
+from .wire import Answer, ErrorLine, Final, Heartbeat, read_line
 
 # seconds between a server's heartbeat lines while a request waits or is evaluated (server/progress.py
 # sends them, a Watch reads them): the protocol's one constant both sides share
@@ -62,12 +63,14 @@ class Watch:
         """No caller's deadline from now on (a stream whose pieces the caller now sees come)."""
         self.deadline = None
 
-    def heard(self, line: dict) -> bool:
-        """Account for one line; True when it was a heartbeat (nothing for the caller). Raises
-        ``UpstreamTimeout`` when the answer is to be given up (see the module's docstring)."""
+    def heard(self, line) -> bool:
+        """Account for one line (a ``wire`` line, or its JSON); True when it was a heartbeat (nothing for the
+        caller). Raises ``UpstreamTimeout`` when the answer is to be given up (see the module's docstring)."""
+        if isinstance(line, dict):
+            line = read_line(line)
         now = self.heard_at = time.monotonic()
-        status = line.get("status")
-        heartbeat = isinstance(status, str) and "error" not in line
+        heartbeat = isinstance(line, Heartbeat)
+        status = line.status if heartbeat else None
         if self.waiting is not None and not (heartbeat and status in WAITING):
             self.waiting = None  # the wait for the KV is over: the caller's own deadline from now
             if self.deadline is not None:
@@ -77,7 +80,7 @@ class Watch:
         else:
             if status != self.phase:
                 self.phase, self.advanced_at, self.evaluated = status, now, -1
-            evaluated = line.get("evaluated")
+            evaluated = line.evaluated
             if status == "prefill" and isinstance(evaluated, int) and evaluated > self.evaluated:
                 self.evaluated, self.advanced_at = evaluated, now
             limit = self._progress_limit(line)
@@ -85,15 +88,16 @@ class Watch:
                 raise UpstreamTimeout(f"{self.name} made no progress ({status}) for {now - self.advanced_at:.1f}s, "
                                       f"over {PROGRESS_FACTOR:g} times what the rest should take at its speed",
                                       transport=True, stalled=True)
-        if self.deadline is not None and now >= self.deadline and not line.get("done"):  # an answer in time counts
+        done = isinstance(line, (Final, ErrorLine, Answer))
+        if self.deadline is not None and now >= self.deadline and not done:  # an answer in time counts
             raise self.caller_deadline()
         return heartbeat
 
-    def _progress_limit(self, line: dict) -> float | None:
-        if line["status"] == "prefill" and self.prompt_speed and isinstance(line.get("tokens"), int):
-            left = max(1, line["tokens"] - max(0, self.evaluated))
+    def _progress_limit(self, line: Heartbeat) -> float | None:
+        if line.status == "prefill" and self.prompt_speed and isinstance(line.tokens, int):
+            left = max(1, line.tokens - max(0, self.evaluated))
             return max(self.silence, PROGRESS_FACTOR * left / self.prompt_speed)
-        if line["status"] == "decode" and self.decode_speed:
+        if line.status == "decode" and self.decode_speed:
             return max(self.silence, PROGRESS_FACTOR / self.decode_speed)
         return None  # waiting for a slot, a KV pull, an import: bounded on the server
 

@@ -310,7 +310,7 @@ def test_the_dashboard_shows_the_last_report(peer_run, monkeypatch):
     from streamlit.testing.v1 import AppTest
 
     from disaggregated_inference.bench.table import fmt
-    from disaggregated_inference.grading.fakes import FakeGradingClient
+    from .fakes import FakeGradingClient
 
     report, out, _ = peer_run
     monkeypatch.setenv("DISAGG_BENCH_OUT", str(out))

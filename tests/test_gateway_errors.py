@@ -236,5 +236,5 @@ def test_speculation_is_passed_to_the_client_as_the_decode_servers_field():
     from disaggregated_inference.gateway.parse import parse_openai_chat, parse_openai_completion
 
     chat = parse_openai_chat({**CHAT, "speculation": "ngram"})
-    assert chat.client_kwargs()["speculation"] == "ngram"
-    assert "speculation" not in parse_openai_completion({"model": "qwen", "prompt": "hi"}).client_kwargs()
+    assert chat.request.speculation == "ngram" and chat.request.sampling_body()["speculation"] == "ngram"
+    assert "speculation" not in parse_openai_completion({"model": "qwen", "prompt": "hi"}).request.sampling_body()

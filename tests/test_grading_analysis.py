@@ -6,7 +6,7 @@ import nbformat
 from disaggregated_inference.grading.analysis import (CODE, FEEDBACK, code_schema, feedback_schema, plan_requests,
                                                        render_notebook, run_requests)
 from disaggregated_inference.grading.evidence import check_rubric, collect_evidence
-from disaggregated_inference.grading.fakes import FakeGradingClient
+from .fakes import FakeGradingClient
 from disaggregated_inference.grading.notebook import load_submission
 from disaggregated_inference.grading.options import GradingOptions
 from disaggregated_inference.grading.rubric import load_rubric
@@ -83,7 +83,7 @@ def test_plan_requests_and_run_them_together():
     answers, combined = run_requests(fake, requests)
     assert fake.rounds == [[CODE, FEEDBACK]]  # both models in one generate_many round
     assert combined["failed"] == 1
-    assert answers[0].text and answers[0].metrics["method"] == "disaggregated"
+    assert answers[0].text and answers[0].metrics["method"] == "kv_handoff"
     assert answers[1].error == "RuntimeError: decode server gone" and answers[1].text is None
 
 
@@ -116,7 +116,7 @@ def test_the_feedback_models_reasoning_is_the_teachers_never_the_students(tmp_pa
     """The feedback request asks for low effort by default; a reasoning model's chain of thought comes back in the
     answer's metrics, stays in the result's record of that answer (the teacher's), and reaches neither the
     student's feedback nor the student-facing report."""
-    from disaggregated_inference.grading.fakes import FAKE_REASONING
+    from .fakes import FAKE_REASONING
     from disaggregated_inference.grading.grader import grade_notebook
     from disaggregated_inference.grading.report import render_markdown
 

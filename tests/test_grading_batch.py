@@ -1,4 +1,4 @@
-"""Issue 34 on a FAKE cluster (grading/fakes.py: canned answers, streams timed by sleeps): a batch's
+"""Issue 34 on a FAKE cluster (tests/fakes.py: canned answers, streams timed by sleeps): a batch's
 figures against the clock, progress that tells waiting from grading, the pace that keeps each model
 within its slots, and a stop that starts nothing more, cancels what is in flight and resumes.
 
@@ -16,7 +16,7 @@ from disaggregated_inference.grading import grade_batch, load_rubric
 from disaggregated_inference.grading.batch import BatchProgress
 from disaggregated_inference.grading.classgen import NAMES, generate_class
 from disaggregated_inference.grading.cli import Interrupts
-from disaggregated_inference.grading.fakes import FakeGradingClient, StreamingFakeClient
+from .fakes import FakeGradingClient, StreamingFakeClient
 from disaggregated_inference.grading.pace import Capacity, ModelPace
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

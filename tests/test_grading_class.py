@@ -26,7 +26,7 @@ from disaggregated_inference.client import DisaggregatedClient
 from disaggregated_inference.grading import GradingOptions, grade_batch, load_rubric
 from disaggregated_inference.grading import cli
 from disaggregated_inference.grading.classgen import generate_class
-from disaggregated_inference.grading.fakes import StreamingFakeClient
+from .fakes import StreamingFakeClient
 
 from .tiny_models import tiny_cluster_config
 

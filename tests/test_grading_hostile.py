@@ -9,7 +9,7 @@ from disaggregated_inference.grading import grade_batch, grade_notebook, load_ru
 from disaggregated_inference.grading import grader as grader_module
 from disaggregated_inference.grading.analysis import CODE, FEEDBACK, notebook_marker
 from disaggregated_inference.grading.evidence import collect_evidence
-from disaggregated_inference.grading.fakes import FakeGradingClient
+from .fakes import FakeGradingClient
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 GOOD = EXAMPLES / "notebooks" / "good_sales_analysis.ipynb"

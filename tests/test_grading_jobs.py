@@ -10,7 +10,7 @@ import pytest
 from disaggregated_inference.grading import deterministic_part, grade_batch, load_rubric
 from disaggregated_inference.grading.cli import main
 from disaggregated_inference.grading.connect import default_jobs
-from disaggregated_inference.grading.fakes import FakeGradingClient
+from .fakes import FakeGradingClient
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

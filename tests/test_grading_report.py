@@ -14,7 +14,7 @@ import pytest
 
 from disaggregated_inference.grading import grade_batch, load_rubric
 from disaggregated_inference.grading import cli
-from disaggregated_inference.grading.fakes import FakeGradingClient
+from .fakes import FakeGradingClient
 from disaggregated_inference.grading.report import read_result
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -19,7 +19,7 @@ import pytest
 
 from disaggregated_inference.grading import GradingOptions, grade_batch, grade_notebook, load_rubric, rubric_from_dict
 from disaggregated_inference.grading import cli, rerun as rerun_module
-from disaggregated_inference.grading.fakes import FakeGradingClient
+from .fakes import FakeGradingClient
 from disaggregated_inference.grading.report import render_markdown
 from disaggregated_inference.grading.rerun import Execution, text_difference
 from disaggregated_inference.grading.sandbox import ExecutionLimits, find_sandbox

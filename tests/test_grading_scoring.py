@@ -6,7 +6,7 @@ import pytest
 from disaggregated_inference.grading import grade_notebook, load_rubric, render_markdown, rubric_from_dict
 from disaggregated_inference.grading.analysis import CODE, FEEDBACK
 from disaggregated_inference.grading.evidence import Check, check_rubric, collect_evidence
-from disaggregated_inference.grading.fakes import FEEDBACK_ANSWER, FakeGradingClient, full_marks_answer
+from .fakes import FEEDBACK_ANSWER, FakeGradingClient, full_marks_answer
 from disaggregated_inference.grading.notebook import load_submission
 from disaggregated_inference.grading.quality import (NotebookText, code_answer_problems, degenerate,
                                                      feedback_answer_problems, item_problems)

@@ -12,7 +12,7 @@ from disaggregated_inference.errors import NoServerAvailable
 from disaggregated_inference.grading import grade_notebook
 from disaggregated_inference.grading.analysis import CODE, FEEDBACK, ModelAnswer
 from disaggregated_inference.grading.evidence import Check
-from disaggregated_inference.grading.fakes import FEEDBACK_ANSWER, FakeGradingClient, full_marks_answer
+from .fakes import FEEDBACK_ANSWER, FakeGradingClient, full_marks_answer
 from disaggregated_inference.grading.rubric import load_rubric, rubric_from_dict
 from disaggregated_inference.grading.validation import check_code_answer, check_feedback_answer, reconcile
 

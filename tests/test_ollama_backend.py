@@ -418,7 +418,7 @@ def test_decode_from_the_context_gives_the_text_of_one_generate(stub, backend):
     assert m["completion_tokens"] == len(text) + 1  # Ollama counts the EOS it sampled
     assert m["decode_time"] == pytest.approx(m["completion_tokens"] * 2e-3)
     assert m["decode_speed"] == pytest.approx(500.0)
-    assert m["prompt_eval_time"] == pytest.approx(n_prompt * 1e-3)
+    assert m["prefill_time"] == pytest.approx(n_prompt * 1e-3)
     assert m["kv_load_time"] == 0.0 and m["finish_reason"] == "stop"
     assert m["first_token_matches_prefill"] is True
     assert m["canary"] == "unavailable" and "canary" not in gm  # no logits through Ollama: said, not faked

@@ -18,7 +18,7 @@ from disaggregated_inference.backends.base import Backend, Event, ModelSettings,
 from disaggregated_inference.gateway.app import create_app as create_gateway
 from disaggregated_inference.kv.bundle import KIND_TOKEN_IDS
 from disaggregated_inference.server import decode, prefill
-from disaggregated_inference.server.parse import MAX_JSON_DEPTH
+from disaggregated_inference.http import MAX_JSON_DEPTH
 
 SEED = 33
 CASES = 25  # per endpoint and kind of damage

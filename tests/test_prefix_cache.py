@@ -107,7 +107,7 @@ def test_generate_reuses_a_prefix_and_gives_the_same_greedy_text(warm, cold):
     text, m = greedy(warm, p)
     assert m["prompt_tokens_cached"] > 0
     assert m["prompt_tokens_recomputed"] + m["prompt_tokens_cached"] == m["prompt_tokens"]
-    assert m["prompt_eval_speed"]  # of the tokens evaluated, not of the prompt
+    assert m["prefill_speed"]  # of the tokens evaluated, not of the prompt
     expected, ref = greedy(cold, p)
     assert ref["prompt_tokens_cached"] == 0 and text == expected
 

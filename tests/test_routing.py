@@ -31,7 +31,7 @@ def handoff(model: CostModel, tokens: int, prefill_speed: float, kv_per_token: i
 
 def local(model: CostModel, tokens: int, speed: float, fixed: float = 0.005) -> None:
     took = tokens / speed
-    dec = {"prompt_tokens": tokens + 1, "prompt_eval_time": took, "first_token_time": 0.01}
+    dec = {"prompt_tokens": tokens + 1, "prefill_time": took, "first_token_time": 0.01}
     model.observe("m", 4 * (tokens + 1), LOCAL, None, "d", {}, dec, fixed + took + 0.01)
 
 

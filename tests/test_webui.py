@@ -12,7 +12,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from disaggregated_inference.grading import grade_batch, load_rubric
-from disaggregated_inference.grading.fakes import FakeGradingClient
+from .fakes import FakeGradingClient
 from disaggregated_inference.grading.sandbox import find_sandbox
 from disaggregated_inference.observe.sampler import Sweep
 from disaggregated_inference.ops import lifetime
@@ -233,8 +233,8 @@ def test_dashboard():
                                     "fake-decode-gpt-oss"} and slots["requests"].max() == 1
     mix = charts["How requests were served"]
     served = {(v, m): n for v, m, n in zip(mix["view"], mix["method"], mix["requests"]) if n}
-    # the fake client calls its requests' method "disaggregated": shown as it is, beside the four kinds
-    assert served == {("this interface", "disaggregated"): 2, ("decode servers (every client)", "kv_handoff"): 1}
+    # the fake client's requests are handoffs (metrics.Method), as the decode servers count theirs
+    assert served == {("this interface", "kv_handoff"): 2, ("decode servers (every client)", "kv_handoff"): 1}
     link = charts["KV link throughput against capacity (Gb/s)"]
     assert dict(zip(link["figure"], link["gbps"])) == {"pulls, every client": 8.0, "capacity (doctor's probe)": 10.0}
 

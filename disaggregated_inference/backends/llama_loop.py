@@ -213,6 +213,6 @@ class TokenLoop:
         if drafts is not None:
             metrics.update(speculation=sampling.speculation or self.settings.speculation, **look.finish())
         if extra["method"] != "kv_handoff":  # the prompt was computed here: say how long it took
-            metrics["prompt_eval_time"] = round(t_gen - started, 6)
-            metrics["prompt_eval_speed"] = rate(recomputed, t_gen - started)  # the tokens evaluated here
+            metrics["prefill_time"] = round(t_gen - started, 6)
+            metrics["prefill_speed"] = rate(recomputed, t_gen - started)  # the tokens evaluated here
         yield Event(metrics=metrics)

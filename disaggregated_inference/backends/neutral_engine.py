@@ -387,6 +387,6 @@ def generation_metrics(tokens, prompt_evaluated: int, generated: int, finish: st
         "backend_time": round(ended - started, 6), "finish_reason": finish, **extra,
     }
     if extra["method"] != "kv_handoff":
-        metrics["prompt_eval_time"] = round(t_gen - started, 6)
-        metrics["prompt_eval_speed"] = rate(len(tokens), t_gen - started)
+        metrics["prefill_time"] = round(t_gen - started, 6)
+        metrics["prefill_speed"] = rate(len(tokens), t_gen - started)
     return metrics

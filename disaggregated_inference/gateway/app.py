@@ -23,7 +23,7 @@ from werkzeug.exceptions import HTTPException
 from .. import config as cluster_config
 from ..client import DisaggregatedClient
 from ..errors import DisaggError, ModelNotFound, NoServerAvailable, Unauthorized, UpstreamTimeout
-from ..server.web import arrival_limits
+from ..http import arrival_limits
 from .metrics import GatewayMetrics
 from .parse import api_field
 from .ollama_api import ollama

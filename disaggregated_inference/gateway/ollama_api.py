@@ -22,7 +22,8 @@ from datetime import datetime, timezone
 from flask import Blueprint, Response, g
 
 from .. import __version__
-from ..server.web import STREAM_HEADERS
+from ..http import STREAM_HEADERS
+from ..metrics import RequestMetrics
 from . import sse
 from .relay import complete, fact_headers, facts, json_body, open_stream, state
 from .parse import GatewayRequest, api_field, parse_model_name, parse_ollama_chat, parse_ollama_generate
@@ -39,17 +40,17 @@ def _json(body: dict, headers: dict | None = None) -> Response:
     return Response(json.dumps(body), mimetype="application/json", headers=headers)
 
 
-def _final(metrics: dict, wall: float) -> dict:
+def _final(metrics: RequestMetrics, wall: float) -> dict:
     """Ollama's closing fields; zero-valued ones are left out, as Ollama does."""
-    prompt = metrics.get("prefill_time") or 0.0
-    decode = metrics.get("decode_time") or 0.0
+    prompt = metrics.prefill_time or 0.0
+    decode = metrics.decode_time or 0.0
     fields = {
-        "done_reason": "length" if metrics.get("finish_reason") == "length" else "stop",
+        "done_reason": "length" if metrics.finish_reason == "length" else "stop",
         "total_duration": int(wall * NS),
         "load_duration": int(max(0.0, wall - prompt - decode) * NS),
-        "prompt_eval_count": metrics.get("prompt_tokens") or 0,
+        "prompt_eval_count": metrics.prompt_tokens or 0,
         "prompt_eval_duration": int(prompt * NS),
-        "eval_count": metrics.get("completion_tokens") or 0,
+        "eval_count": metrics.completion_tokens or 0,
         "eval_duration": int(decode * NS),
     }
     return {k: v for k, v in fields.items() if v or k == "done_reason"}
@@ -110,9 +111,9 @@ def _answer(req: GatewayRequest, content) -> Response:
     if not req.stream:
         text, metrics = complete(req, "ollama")
         body = {"model": req.model, "created_at": _now(),
-                **content(text, metrics.get("reasoning", ""), metrics.get("tool_calls") or ()), "done": True,
+                **content(text, metrics.reasoning or "", metrics.tool_calls or ()), "done": True,
                 **_final(metrics, time.perf_counter() - g.arrived), "disagg": facts(metrics)}
-        return _json(body, fact_headers(metrics))
+        return _json(body, fact_headers(body["disagg"]))
     arrived = g.arrived
     route, events = open_stream(req, "ollama")
 

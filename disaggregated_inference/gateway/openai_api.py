@@ -21,7 +21,8 @@ import uuid
 from flask import Blueprint, Response
 
 from . import sse
-from ..server.web import STREAM_HEADERS
+from ..http import STREAM_HEADERS
+from ..metrics import RequestMetrics
 from .relay import complete, fact_headers, facts, json_body, open_stream, openai_type, state
 from .parse import GatewayRequest, api_field, parse_openai_chat, parse_openai_completion
 
@@ -33,14 +34,13 @@ def _finish_reason(reason) -> str:
     return reason if reason in ("length", "tool_calls") else "stop"
 
 
-def _usage(metrics: dict) -> dict:
-    usage = {"prompt_tokens": metrics.get("prompt_tokens") or 0,
-             "completion_tokens": metrics.get("completion_tokens") or 0,
-             "total_tokens": metrics.get("total_tokens") or 0}
-    if metrics.get("prompt_tokens_cached") is not None:  # OpenAI's field for prompt tokens served from a cache
-        usage["prompt_tokens_details"] = {"cached_tokens": metrics["prompt_tokens_cached"]}
-    if metrics.get("reasoning_tokens") is not None:
-        usage["completion_tokens_details"] = {"reasoning_tokens": metrics["reasoning_tokens"]}
+def _usage(metrics: RequestMetrics) -> dict:
+    usage = {"prompt_tokens": metrics.prompt_tokens or 0, "completion_tokens": metrics.completion_tokens or 0,
+             "total_tokens": metrics.total_tokens or 0}
+    if metrics.prompt_tokens_cached is not None:  # OpenAI's field for prompt tokens served from a cache
+        usage["prompt_tokens_details"] = {"cached_tokens": metrics.prompt_tokens_cached}
+    if metrics.reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": metrics.reasoning_tokens}
     return usage
 
 
@@ -51,8 +51,8 @@ def _tool_call(call: dict, index: int | None = None) -> dict:
     return out if index is None else {"index": index, **out}
 
 
-def _calls(req: GatewayRequest, metrics: dict) -> list:
-    calls = metrics.get("tool_calls") or []
+def _calls(req: GatewayRequest, metrics: RequestMetrics) -> list:
+    calls = metrics.tool_calls or []
     return calls if req.parallel_tool_calls else calls[:1]
 
 
@@ -93,11 +93,11 @@ def _answer(req: GatewayRequest, chat: bool) -> Response:
     if req.stream:
         return _stream(req, chat, ident, created)
     text, metrics = complete(req, "openai")
-    reason = _finish_reason(metrics.get("finish_reason"))
+    reason = _finish_reason(metrics.finish_reason)
     if chat:
         message = {"role": "assistant", "content": text}
-        if metrics.get("reasoning"):
-            message["reasoning_content"] = metrics["reasoning"]
+        if metrics.reasoning:
+            message["reasoning_content"] = metrics.reasoning
         calls = _calls(req, metrics)
         if calls:
             message["tool_calls"] = [_tool_call(c) for c in calls]
@@ -107,7 +107,7 @@ def _answer(req: GatewayRequest, chat: bool) -> Response:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
     body = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": req.model, "choices": [choice], "usage": _usage(metrics), "disagg": facts(metrics)}
-    return _json(body, fact_headers(metrics))
+    return _json(body, fact_headers(body["disagg"]))
 
 
 def _stream(req: GatewayRequest, chat: bool, ident: str, created: int) -> Response:
@@ -140,7 +140,7 @@ def _stream(req: GatewayRequest, chat: bool, ident: str, created: int) -> Respon
                 yield sse.event(chunk(delta, role=first and chat))
                 first = False
             elif kind == "done":
-                last = chunk(None, _finish_reason(value.get("finish_reason")))
+                last = chunk(None, _finish_reason(value.finish_reason))
                 last["disagg"] = facts(value)
                 yield sse.event(last)
                 if req.include_usage:

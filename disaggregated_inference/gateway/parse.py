@@ -1,7 +1,7 @@
 """Typed parsing of the OpenAI and Ollama request bodies, once, at the gateway's edge.
 
-Both APIs become one ``GatewayRequest``: what the ``DisaggregatedClient`` is asked
-to do. What the cluster cannot honour (several choices, log-probabilities,
+Both APIs become one ``GatewayRequest``: the ``GenerationRequest`` (request.py) the
+``DisaggregatedClient`` is asked for, and how the API wants its answer. What the cluster cannot honour (several choices, log-probabilities,
 images, an Ollama ``context``) is refused with a ``BadRequest`` naming the field,
 never silently dropped. Conversations with tool calls and tool results, the
 tools offered (``tools``, ``tool_choice``) and the reasoning asked for (OpenAI's
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from .. import chat
 from ..backends.speculate import PROPOSERS, requested_proposer
 from ..errors import BadRequest
+from ..fields import format_schema, number, require_object, stop_sequences, typed
+from ..request import GenerationRequest
 
 UNLIMITED_TOKENS = 1 << 20  # the decode server stops at the end of its context first
 
@@ -35,81 +37,30 @@ def api_field(field: str | None, api: str) -> str | None:
 
 @dataclass(frozen=True)
 class GatewayRequest:
-    model: str
-    prompt: str | None = None
-    messages: tuple | None = None
-    system: str | None = None
-    raw: bool = False
+    """A request to the gateway: the ``GenerationRequest`` the cluster is asked for, and how the API that
+    brought it wants the answer given back."""
+
+    request: GenerationRequest
     stream: bool = False
     include_usage: bool = False
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    seed: int | None = None
-    stop: tuple = ()
-    json_schema: dict | None = None
-    tools: tuple | None = None       # functions, in the OpenAI API's shape
-    tool_choice: object = None       # auto, none, required, or {"type": "function", "function": {"name": ...}}
     parallel_tool_calls: bool = True  # false: at most one call is answered
-    reasoning_effort: str | None = None
-    reasoning_budget: int | None = None
     show_reasoning: bool = True      # Ollama's think: false leaves the thinking out of the answer
-    ignore_eos: bool = False
-    speculation: str | None = None   # the decode server's proposer for this request (off, ngram)
 
-    def client_kwargs(self) -> dict:
-        """The keyword arguments of ``DisaggregatedClient.generate`` / ``.stream``."""
-        kwargs = {"model": self.model, "max_tokens": self.max_tokens, "temperature": self.temperature,
-                  "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed, "stop": list(self.stop) or None,
-                  "json_schema": self.json_schema, "raw": self.raw, "system": self.system,
-                  "reasoning_effort": self.reasoning_effort, "reasoning_budget": self.reasoning_budget}
-        if self.tools is not None:
-            kwargs["tools"] = list(self.tools)
-            kwargs["tool_choice"] = self.tool_choice
-        if self.ignore_eos:
-            kwargs["ignore_eos"] = True
-        if self.speculation is not None:
-            kwargs["speculation"] = self.speculation
-        if self.messages is not None:
-            kwargs["messages"] = [dict(m) for m in self.messages]
-        else:
-            kwargs["prompt"] = self.prompt
-        return kwargs
+    @property
+    def model(self) -> str:
+        return self.request.model
+
+    @property
+    def prompt(self) -> str | None:
+        return self.request.prompt
 
 
-def _object(body) -> dict:
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object", field="body")
-    return body
+_PRESENTATION = ("stream", "include_usage", "parallel_tool_calls", "show_reasoning")
 
 
-def _get(body: dict, key: str, kinds, default=None, *, what: str, where: str = ""):
-    value = body.get(key)
-    if value is None:
-        return default
-    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise BadRequest(f"'{where}{key}' must be {what}", field=f"{where}{key}")
-    return value
-
-
-def _number(body, key, default, lo, hi, *, integer=False, where=""):
-    value = _get(body, key, int if integer else (int, float), default, where=where,
-                 what="an integer" if integer else "a number")
-    if value is not None and not lo <= value <= hi:
-        raise BadRequest(f"'{where}{key}' must be between {lo} and {hi}, got {value}", field=f"{where}{key}")
-    return value
-
-
-def _stop(value, field: str) -> tuple:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
-        raise BadRequest(f"'{field}' must be a string or a list of non-empty strings", field=field)
-    return tuple(value)
+def _gateway_request(**fields) -> GatewayRequest:
+    shown = {key: fields.pop(key) for key in _PRESENTATION if key in fields}
+    return GatewayRequest(GenerationRequest(**fields), **shown)
 
 
 def _unknown(body: dict, allowed: set, refused: dict) -> None:
@@ -155,27 +106,27 @@ def _openai_common(body: dict) -> dict:
     if "max_tokens" in body and "max_completion_tokens" in body:
         raise BadRequest("give 'max_tokens' or 'max_completion_tokens', not both", field="max_completion_tokens")
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    stream = _get(body, "stream", bool, False, what="a boolean")
-    options = _get(body, "stream_options", dict, {}, what="an object")
+    stream = typed(body, "stream", bool, False, what="a boolean")
+    options = typed(body, "stream_options", dict, {}, what="an object")
     if options and not stream:
         raise BadRequest("'stream_options' is only allowed with 'stream': true", field="stream_options")
     if set(options) - {"include_usage"}:
         raise BadRequest("'stream_options' may only hold 'include_usage'", field="stream_options")
     schema = _response_format(body.get("response_format"))
-    ignore_eos = _get(body, "ignore_eos", bool, False, what="a boolean")
+    ignore_eos = typed(body, "ignore_eos", bool, False, what="a boolean")
     if ignore_eos and schema is not None:  # a grammar ends its output with an end-of-generation token
         raise BadRequest("'ignore_eos' cannot be combined with 'response_format'", field="ignore_eos")
-    speculation = requested_proposer(_get(body, "speculation", str, None,
+    speculation = requested_proposer(typed(body, "speculation", str, None,
                                               what=f"one of {', '.join(PROPOSERS)}"))
     return {
         "model": _model(body),
         "stream": stream,
-        "include_usage": _get(options, "include_usage", bool, False, what="a boolean", where="stream_options."),
-        "max_tokens": _number(body, key, UNLIMITED_TOKENS, 1, UNLIMITED_TOKENS, integer=True),
-        "temperature": float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-        "top_p": float(_number(body, "top_p", 1.0, 0.0, 1.0)),
-        "seed": _number(body, "seed", None, -(1 << 31), (1 << 32) - 1, integer=True),
-        "stop": _stop(body.get("stop"), "stop"),
+        "include_usage": typed(options, "include_usage", bool, False, what="a boolean", where="stream_options."),
+        "max_tokens": number(body, key, UNLIMITED_TOKENS, 1, UNLIMITED_TOKENS, integer=True),
+        "temperature": float(number(body, "temperature", 1.0, 0.0, 2.0)),
+        "top_p": float(number(body, "top_p", 1.0, 0.0, 1.0)),
+        "seed": number(body, "seed", None, -(1 << 31), (1 << 32) - 1, integer=True),
+        "stop": stop_sequences(body.get("stop"), "stop"),
         "json_schema": schema,
         "ignore_eos": ignore_eos,
         "speculation": speculation,
@@ -243,7 +194,7 @@ def _checked(messages: list) -> tuple:
 
 
 def parse_openai_chat(body) -> GatewayRequest:
-    body = _object(body)
+    body = require_object(body)
     _unknown(body, OPENAI_COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice",
                                     "parallel_tool_calls", "reasoning_effort", "reasoning_budget"}, OPENAI_REFUSED)
     messages = body.get("messages")
@@ -257,14 +208,14 @@ def parse_openai_chat(body) -> GatewayRequest:
         # an assistant turn that only calls tools may have no content (null)
         content = "" if m.get("content") is None and m.get("tool_calls") else _openai_content(m.get("content"), i)
         out.append(_turn(m, content, reasoning="reasoning_content", tool={"tool_call_id": "tool_call_id"}))
-    return GatewayRequest(messages=_checked(out), **_openai_common(body), **_tools(body),
-                          parallel_tool_calls=_get(body, "parallel_tool_calls", bool, True, what="a boolean"),
+    return _gateway_request(messages=_checked(out), **_openai_common(body), **_tools(body),
+                          parallel_tool_calls=typed(body, "parallel_tool_calls", bool, True, what="a boolean"),
                           reasoning_effort=chat.parse_effort(body.get("reasoning_effort")),
-                          reasoning_budget=_number(body, "reasoning_budget", None, 0, UNLIMITED_TOKENS, integer=True))
+                          reasoning_budget=number(body, "reasoning_budget", None, 0, UNLIMITED_TOKENS, integer=True))
 
 
 def parse_openai_completion(body) -> GatewayRequest:
-    body = _object(body)
+    body = require_object(body)
     _unknown(body, OPENAI_COMMON | {"prompt"}, OPENAI_REFUSED)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -272,7 +223,7 @@ def parse_openai_completion(body) -> GatewayRequest:
     if not isinstance(prompt, str) or not prompt:
         raise BadRequest("'prompt' must be a non-empty string (one prompt per request)", field="prompt")
     # a completion continues the text as written: no chat template
-    return GatewayRequest(prompt=prompt, raw=True, **_openai_common(body))
+    return _gateway_request(prompt=prompt, raw=True, **_openai_common(body))
 
 
 # -- Ollama ------------------------------------------------------------------------------------
@@ -291,35 +242,27 @@ OLLAMA_RUNNER = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "u
 
 
 def _ollama_common(body: dict) -> dict:
-    options = _get(body, "options", dict, {}, what="an object")
+    options = typed(body, "options", dict, {}, what="an object")
     for key in options:
         if key not in OLLAMA_SAMPLING | OLLAMA_RUNNER:
             raise BadRequest(f"option '{key}' is not supported (supported: {', '.join(sorted(OLLAMA_SAMPLING))})",
                              field=f"options.{key}")
-    num_predict = _number(options, "num_predict", -1, -2, UNLIMITED_TOKENS, integer=True, where="options.")
-    seed = _number(options, "seed", None, -(1 << 31), (1 << 32) - 1, integer=True, where="options.")
-    fmt = body.get("format")
-    if fmt in (None, ""):
-        schema = None
-    elif fmt == "json":
-        schema = {"type": "object"}
-    elif isinstance(fmt, dict):
-        schema = fmt
-    else:
-        raise BadRequest("'format' must be \"json\" or a JSON schema object", field="format")
-    _get(body, "keep_alive", (str, int, float), None, what="a duration")  # servers keep their models loaded
+    num_predict = number(options, "num_predict", -1, -2, UNLIMITED_TOKENS, integer=True, where="options.")
+    seed = number(options, "seed", None, -(1 << 31), (1 << 32) - 1, integer=True, where="options.")
+    schema = format_schema(body.get("format"))
+    typed(body, "keep_alive", (str, int, float), None, what="a duration")  # servers keep their models loaded
     think = body.get("think")
     if think is not None and not isinstance(think, bool) and think not in chat.EFFORTS:
         raise BadRequest("'think' must be true, false or one of low, medium, high", field="think")
     return {
         "model": _model(body),
-        "stream": _get(body, "stream", bool, True, what="a boolean"),
+        "stream": typed(body, "stream", bool, True, what="a boolean"),
         "max_tokens": UNLIMITED_TOKENS if num_predict <= 0 else num_predict,  # -1, -2, 0: until stop or context end
-        "temperature": float(_number(options, "temperature", 0.8, 0.0, 5.0, where="options.")),
-        "top_p": float(_number(options, "top_p", 0.9, 0.0, 1.0, where="options.")),
-        "top_k": _number(options, "top_k", 40, 0, 1 << 20, integer=True, where="options."),
+        "temperature": float(number(options, "temperature", 0.8, 0.0, 5.0, where="options.")),
+        "top_p": float(number(options, "top_p", 0.9, 0.0, 1.0, where="options.")),
+        "top_k": number(options, "top_k", 40, 0, 1 << 20, integer=True, where="options."),
         "seed": None if seed is not None and seed < 0 else seed,  # -1: random, as in Ollama
-        "stop": _stop(options.get("stop"), "options.stop"),
+        "stop": stop_sequences(options.get("stop"), "options.stop"),
         "json_schema": schema,
         # think: a level sets the effort; false keeps the thinking out of the answer (the model still thinks)
         "reasoning_effort": think if isinstance(think, str) else None,
@@ -329,19 +272,19 @@ def _ollama_common(body: dict) -> dict:
 
 def parse_ollama_generate(body) -> GatewayRequest:
     """``/api/generate``; an empty prompt only "loads" the model (answered without a generation)."""
-    body = _object(body)
+    body = require_object(body)
     _unknown(body, OLLAMA_COMMON | {"prompt", "system", "raw"},
              {**OLLAMA_REFUSED, "tools": "tools are offered on /api/chat"})
-    prompt = _get(body, "prompt", str, "", what="a string")
-    raw = _get(body, "raw", bool, False, what="a boolean")
-    system = _get(body, "system", str, None, what="a string")
+    prompt = typed(body, "prompt", str, "", what="a string")
+    raw = typed(body, "raw", bool, False, what="a boolean")
+    system = typed(body, "system", str, None, what="a string")
     if raw and system is not None:
         raise BadRequest("raw mode does not support template, system, or context", field="system")
-    return GatewayRequest(prompt=prompt, raw=raw, system=system, **_ollama_common(body))
+    return _gateway_request(prompt=prompt, raw=raw, system=system, **_ollama_common(body))
 
 
 def parse_ollama_chat(body) -> GatewayRequest:
-    body = _object(body)
+    body = require_object(body)
     _unknown(body, OLLAMA_COMMON | {"messages", "tools"}, OLLAMA_REFUSED)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -359,12 +302,12 @@ def parse_ollama_chat(body) -> GatewayRequest:
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string", field=f"messages[{i}].content")
         out.append(_turn(m, content, reasoning="thinking", tool={"tool_name": "name"}))
-    return GatewayRequest(messages=_checked(out), **_ollama_common(body), **_tools(body))
+    return _gateway_request(messages=_checked(out), **_ollama_common(body), **_tools(body))
 
 
 def parse_model_name(body) -> str:
     """``/api/show``: ``{"model": NAME}`` (older clients send ``name``)."""
-    body = _object(body)
+    body = require_object(body)
     name = body.get("model") or body.get("name")
     if not isinstance(name, str) or not name:
         raise BadRequest("'model' is required", field="model")

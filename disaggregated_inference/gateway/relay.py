@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flask import current_app, g
 
@@ -18,8 +18,8 @@ from .. import chat
 from .. import config as cluster_config
 from ..client import DisaggregatedClient
 from ..errors import DisaggError, ModelNotFound
-from ..server.parse import parse_json
-from ..server.web import read_body
+from ..http import parse_json, read_body
+from ..metrics import RequestMetrics
 from .metrics import GatewayMetrics
 from .parse import GatewayRequest
 
@@ -48,9 +48,10 @@ def state() -> Gateway:
     return current_app.extensions["gateway"]
 
 
-def facts(metrics: dict) -> dict:
+def facts(metrics: RequestMetrics) -> dict:
     """The disaggregation facts of an answer (what its headers say)."""
-    return {key: metrics.get(key) for key in FACT_HEADERS.values()}
+    figures = metrics.as_dict()
+    return {key: figures.get(key) for key in FACT_HEADERS.values()}
 
 
 def fact_headers(known: dict) -> dict:
@@ -80,19 +81,19 @@ def _model_label(name: str) -> str:
         return "unknown"
 
 
-def complete(req: GatewayRequest, api: str) -> tuple[str, dict]:
+def complete(req: GatewayRequest, api: str) -> tuple[str, RequestMetrics]:
     """One non-streamed request through the cluster: (text, the client's metrics)."""
     st = state()
     label = _model_label(req.model)
     try:
-        text, metrics = st.client.generate(**req.client_kwargs())
+        text, metrics = st.client.serve(req.request)
     except DisaggError as exc:
         st.metrics.finished(api, label, None, exc.code)
         raise
-    st.metrics.finished(api, label, metrics["method"], "ok")
+    st.metrics.finished(api, label, metrics.method.value, "ok")
     st.metrics.duration.labels(api=api, stream="false").observe(time.perf_counter() - g.arrived)
     if not req.show_reasoning:
-        metrics.pop("reasoning", None)
+        metrics = replace(metrics, reasoning=None)
     return text, metrics
 
 
@@ -100,12 +101,12 @@ def open_stream(req: GatewayRequest, api: str):
     """Start a streamed request: route it and wait for its first piece (errors until then raise here,
     with their status). Returns ``(route, events)``: what is known of the handoff now, and an
     iterator of ``("piece", text)``, ``("reasoning", text)`` and ``("tool_call", {"name", "arguments"})``,
-    then ``("done", metrics)`` or ``("error", DisaggError)``."""
+    then ``("done", RequestMetrics)`` or ``("error", DisaggError)``."""
     st = state()
     label = _model_label(req.model)
     arrived = g.arrived
     route: dict = {}
-    pieces = st.client.stream(**req.client_kwargs(), on_route=route.update, parts=True)
+    pieces = st.client.serve_stream(req.request, on_route=route.update, parts=True)
     try:
         first = next(pieces)
     except DisaggError as exc:
@@ -116,8 +117,8 @@ def open_stream(req: GatewayRequest, api: str):
         item, last = first, None
         try:
             while True:
-                if isinstance(item, dict):
-                    st.metrics.finished(api, label, item["method"], "ok")
+                if isinstance(item, RequestMetrics):
+                    st.metrics.finished(api, label, item.method.value, "ok")
                     st.metrics.duration.labels(api=api, stream="true").observe(time.perf_counter() - arrived)
                     yield "done", item
                     return
@@ -150,7 +151,7 @@ def json_body():
     """The request's JSON body, or a 400/408/413 that says what is wrong with it. Any Content-Type is
     read as JSON (``curl -d`` sends a form's); the size and the time to send it are bounded as on
     the servers (the config's ``server.max_request_bytes`` and ``server.body_timeout``), and the JSON
-    is checked as they check it (``server/parse.py``'s ``parse_json``: nesting, duplicate keys, text)."""
+    is checked as they check it (``http.parse_json``: nesting, duplicate keys, text)."""
     limits = state().config.server
     g.body = parse_json(read_body(limits["max_request_bytes"], limits["body_timeout"]))
     return g.body

@@ -44,19 +44,8 @@ from urllib.parse import urlsplit
 
 from . import bundle, trust
 from .buffers import BufferPool, with_room
+from ..wire import KVRef  # noqa: F401  (the wire's type; fetched here)
 from ..errors import BundleError, DisaggError, LeaseExpired, NotFound, UpstreamError, UpstreamTimeout
-
-
-@dataclass(frozen=True)
-class KVRef:
-    """Where a prefilled bundle can be fetched, as a prefill server described it (``streamed``: its
-    pieces leave as the prompt is evaluated; the bundle has no whole-payload checksum)."""
-
-    url: str
-    handle: str
-    bytes: int | None = None
-    crc32c: int | None = None
-    streamed: bool = False
 
 
 def _intact() -> None:

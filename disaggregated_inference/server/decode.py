@@ -40,6 +40,8 @@ from ..kv.bundle import KIND_NEUTRAL_KV, KIND_TOKEN_IDS
 from ..errors import BadRequest, CanaryMismatch, DisaggError
 from ..kv.receive import fetch
 from .settings import resolve
+from ..metrics import Method
+from ..wire import DecodeAnswer, Final, Piece
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,8 @@ def check_vocabulary(tokens, backend) -> None:
 
 def _finish(metrics: dict, extra: dict, first_at: float | None, received_at: float, observe) -> dict:
     out = {**extra, **metrics}
+    if out.get("method") is not None:  # an engine's word for how it served, one of the documented ones
+        out["method"] = Method(out["method"]).value
     out["ttft"] = round(first_at - received_at, 6) if first_at is not None else None
     out["server_time"] = round(time.perf_counter() - received_at, 6)
     observe(out)
@@ -108,7 +112,7 @@ def event_lines(events, received_at: float, extra: dict, observe, status=None, h
         for event in itertools.chain([head] if head is not None else [], events):
             if event.done:
                 metrics = _finish(event.metrics, extra, first_at, received_at, observe)
-                yield {"done": True, "finish_reason": metrics.pop("finish_reason", None), "metrics": metrics}
+                yield Final(metrics.pop("finish_reason", None), metrics).write()
             else:
                 first_at = first_at or time.perf_counter()
                 if status is not None:
@@ -141,12 +145,8 @@ def run_events(events, received_at: float, extra: dict, stream: bool, observe=la
             else:
                 pieces.append(event.piece)
         metrics = _finish(metrics, extra, first_at, received_at, observe)
-        body = {"generated_text": "".join(pieces)}
-        if reasoning:
-            body["reasoning"] = "".join(reasoning)
-        if calls:
-            body["tool_calls"] = calls
-        return web.json_response({**body, "finish_reason": metrics.pop("finish_reason", None), "metrics": metrics})
+        return web.json_response(DecodeAnswer("".join(pieces), metrics.pop("finish_reason", None), metrics,
+                                              "".join(reasoning) or None, calls or None).write())
 
     head = next(events, None)  # errors before the first event propagate from here
     head_at = time.perf_counter() if head is not None and not head.done else None
@@ -163,11 +163,7 @@ def run_events(events, received_at: float, extra: dict, stream: bool, observe=la
 
 def _line(event) -> dict:
     """A stream's line for one piece of a generation: of the answer, of the reasoning, or a tool call."""
-    if event.reasoning is not None:
-        return {"reasoning": event.reasoning, "done": False}
-    if event.tool_call is not None:
-        return {"tool_call": event.tool_call, "done": False}
-    return {"text": event.piece, "done": False}
+    return Piece(text=event.piece, reasoning=event.reasoning, tool_call=event.tool_call).write()
 
 
 def decode():

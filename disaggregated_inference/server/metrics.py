@@ -198,8 +198,8 @@ class ServerMetrics:
             self.reasoning_capped.inc()
         if metrics.get("queue_time") is not None:
             self.queue_seconds.observe(metrics["queue_time"])
-        if metrics.get("prompt_eval_speed"):
-            self.observe_prompt_speed(metrics["prompt_eval_speed"])
+        if metrics.get("prefill_speed"):
+            self.observe_prompt_speed(metrics["prefill_speed"])
         if metrics.get("prompt_tokens_cached"):
             self.prompt_tokens_cached.inc(metrics["prompt_tokens_cached"])
         if metrics.get("prompt_tokens_recomputed"):

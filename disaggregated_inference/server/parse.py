@@ -1,163 +1,20 @@
-"""Typed request bodies, parsed once at the edge of the servers.
+"""Typed request bodies of the servers' own API, parsed once at the edge of the servers.
 
-``parse_json`` turns a body's bytes into JSON that every later step can walk
-safely (or a 400 naming ``body``, or the field at fault); each ``parse_*`` takes
-that JSON and returns a frozen dataclass, or raises ``BadRequest`` naming the
-offending field. Handlers never call ``.get()`` on raw bodies. The gateway
-parses its bodies with ``parse_json`` too.
+Each ``parse_*`` takes a body's JSON (``http.parse_json``) and returns a frozen
+dataclass, or raises ``BadRequest`` naming the offending field. Handlers never
+call ``.get()`` on raw bodies. The prompt and sampling parts are read as the client
+checks them (request.py); the design documents' spellings of some fields are read
+in one adapter here (``_sampling``, ``_decode_source``).
 """
 from __future__ import annotations
 
-import json
-import math
-import re
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
-from .. import chat
 from ..backends.base import Prompt, Sampling
-from ..backends.speculate import PROPOSERS, requested_proposer
-from ..errors import BadRequest, PayloadTooLarge
-from ..kv.receive import KVRef
-
-MAX_STOP_SEQUENCES = 16
-MAX_SCHEMA_DEPTH = 32  # nesting of a json_schema: grammar compile time grows with it
-# Nesting of a whole request body (objects and arrays): far below what Python's recursive JSON encoder,
-# the chat template and the grammar compiler reach (about 1,000), far above what any request needs (a
-# json_schema at its own limit sits at depth 36 of an OpenAI body)
-MAX_JSON_DEPTH = 128
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class _Refused(ValueError):
-    """Something JSON's grammar allows that a request body may not hold (duplicate keys, NaN, Infinity)."""
-
-
-def _pairs(pairs: list) -> dict:
-    seen = set()
-    for key, _ in pairs:
-        if key in seen:  # which one counts differs between parsers: refused, not guessed
-            raise _Refused(f"duplicate key {key!r}: a body may name each key once")
-        seen.add(key)
-    return dict(pairs)
-
-
-def _constant(name: str):
-    raise _Refused(f"{name} is not a JSON number")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise _Refused(f"{text} is beyond the range of a number")
-    return value
-
-
-def parse_json(data: bytes):
-    """A request body's bytes as JSON, or ``BadRequest``: malformed JSON or text that is not UTF-8
-    (naming ``body``), duplicate keys, NaN or Infinity, a number beyond a float's range, nesting beyond
-    ``MAX_JSON_DEPTH`` (naming ``body``), a string holding a lone surrogate (``"\\ud800"``, which no
-    encoder downstream can write: naming the field, ``messages[0].content``)."""
-    if not data:
-        raise BadRequest("request body is empty; send a JSON object", field="body")
-    try:
-        value = json.loads(data, object_pairs_hook=_pairs, parse_constant=_constant, parse_float=_finite)
-    except RecursionError:
-        raise BadRequest(f"JSON body nested deeper than {MAX_JSON_DEPTH} levels", field="body") from None
-    except _Refused as exc:
-        raise BadRequest(f"JSON body refused: {exc}", field="body") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"malformed JSON body: {exc}", field="body") from None
-    check_json(value)
-    return value
-
-
-def _field(path: tuple) -> str:
-    name = ""
-    for part in path:
-        name += f"[{part}]" if isinstance(part, int) else (f".{part}" if name else str(part))
-    return name or "body"
-
-
-def check_json(value, depth_limit: int = MAX_JSON_DEPTH) -> None:
-    """Nesting within ``depth_limit`` (400 naming ``body``) and every string, keys included, encodable as
-    UTF-8 (400 naming its field). Walked without recursion: a deep body cannot exhaust the stack here."""
-    stack = [(value, 1, ())]
-    while stack:
-        node, depth, path = stack.pop()
-        if isinstance(node, str):
-            if _SURROGATE.search(node):
-                check_text(node, _field(path))
-            continue
-        if depth > depth_limit:
-            raise BadRequest(f"JSON body nested deeper than {depth_limit} levels", field="body")
-        if isinstance(node, dict):
-            for key, item in node.items():
-                if _SURROGATE.search(key):
-                    check_text(key, _field(path + (key,)))
-                if isinstance(item, (str, dict, list)):
-                    stack.append((item, depth + 1, path + (key,)))
-        else:  # a list
-            for i, item in enumerate(node):
-                if isinstance(item, (str, dict, list)):
-                    stack.append((item, depth + 1, path + (i,)))
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Sizes a request may not exceed (``ServerOptions``: max_prompt_chars, max_schema_bytes)."""
-
-    prompt_chars: int = 1 << 20
-    schema_bytes: int = 64 << 10
-    schema_depth: int = MAX_SCHEMA_DEPTH
-
-
-DEFAULT_LIMITS = Limits()
-
-
-def check_text(value: str, field: str) -> None:
-    """A lone surrogate (JSON's "\\ud800") cannot be encoded as UTF-8: refuse it here, not in the tokenizer."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise BadRequest(f"'{field}' is not valid text: {exc.reason} at character {exc.start}", field=field) from None
-
-
-def _message_chars(m: dict) -> int:
-    calls = m.get("tool_calls", ())
-    return (len(m["content"]) + len(m["role"]) + len(m.get("reasoning", ""))
-            + sum(len(c["name"]) + len(json.dumps(c["arguments"])) for c in calls))
-
-
-def check_prompt_size(prompt, limits: Limits) -> None:
-    """The prompt's characters (text or messages' contents, plus system and tools) against the limit, before any
-    work."""
-    if prompt.text is not None:
-        field, size = "prompt", len(prompt.text)
-    else:
-        field, size = "messages", sum(_message_chars(m) for m in prompt.messages)
-    size += len(prompt.system or "")
-    if prompt.tools is not None:
-        size += len(json.dumps(prompt.tools.as_openai()))
-    if size > limits.prompt_chars:
-        raise PayloadTooLarge(f"'{field}' has {size} characters (with 'system'); this server takes at most "
-                              f"{limits.prompt_chars}", field=field)
-
-
-def _depth(value, limit: int, level: int = 1) -> int:
-    if level > limit:
-        return level
-    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-    return max((_depth(c, limit, level + 1) for c in children), default=level)
-
-
-def check_schema(schema: dict, field: str, limits: Limits) -> None:
-    size = len(json.dumps(schema, separators=(",", ":")))
-    if size > limits.schema_bytes:
-        raise PayloadTooLarge(f"'{field}' is {size} bytes as JSON; this server takes at most {limits.schema_bytes}",
-                              field=field)
-    if _depth(schema, limits.schema_depth) > limits.schema_depth:
-        raise BadRequest(f"'{field}' is nested deeper than {limits.schema_depth} levels", field=field)
+from ..errors import BadRequest
+from ..fields import format_schema, known_keys, number, require_object, typed
+from ..request import DEFAULT_LIMITS, Limits, parse_prompt, parse_sampling
+from ..wire import HANDOFF_MODES, KVRef, read_kv_ref
 
 
 @dataclass(frozen=True)
@@ -190,117 +47,6 @@ class GenerateRequest:
     progress: bool = False  # as DecodeRequest's
 
 
-def _require_object(body) -> dict:
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object", field="body")
-    return body
-
-
-def _typed(body: dict, key: str, kinds, default=None, *, what: str):
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _as_tuple(kinds)):
-        raise BadRequest(f"'{key}' must be {what}", field=key)
-    return value
-
-
-def _as_tuple(kinds):
-    return kinds if isinstance(kinds, tuple) else (kinds,)
-
-
-def _number(body, key, default, lo, hi, *, integer=False):
-    kinds = int if integer else (int, float)
-    value = _typed(body, key, kinds, default, what="an integer" if integer else "a number")
-    if value is not None and not lo <= value <= hi:
-        raise BadRequest(f"'{key}' must be between {lo} and {hi}, got {value}", field=key)
-    return value
-
-
-def _known_keys(body: dict, allowed: set) -> None:
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise BadRequest(f"unknown field '{unknown[0]}' (allowed: {', '.join(sorted(allowed))})", field=unknown[0])
-
-
-def parse_prompt(body: dict, limits: Limits = DEFAULT_LIMITS) -> Prompt:
-    text = body.get("prompt")
-    messages = body.get("messages")
-    if text is None and messages is None:
-        raise BadRequest("one of 'prompt' or 'messages' is required", field="prompt")
-    if text is not None and messages is not None:
-        raise BadRequest("give 'prompt' or 'messages', not both", field="messages")
-    if text is not None and (not isinstance(text, str) or not text):
-        raise BadRequest("'prompt' must be a non-empty string", field="prompt")
-    if messages is not None:
-        messages = chat.parse_messages(messages)  # roles, contents, tool calls and results; valid text
-    raw = _typed(body, "raw", bool, False, what="a boolean")
-    if raw and messages is not None:
-        raise BadRequest("'raw' applies to 'prompt' only; 'messages' are always rendered with the chat template",
-                         field="raw")
-    system = _typed(body, "system", str, None, what="a string")
-    if text is not None:
-        check_text(text, "prompt")
-    if system is not None:
-        check_text(system, "system")
-    tools = chat.parse_tools(body.get("tools"), body.get("tool_choice"))
-    prompt = Prompt(text=text, messages=messages, raw=raw, system=system, tools=tools,
-                    reasoning_effort=chat.parse_effort(body.get("reasoning_effort")))
-    check_prompt_size(prompt, limits)
-    return prompt
-
-
-def parse_sampling(body: dict, limits: Limits = DEFAULT_LIMITS) -> Sampling:
-    if "max_new_tokens" in body and "max_tokens" in body:
-        raise BadRequest("give 'max_new_tokens' or 'max_tokens', not both", field="max_tokens")
-    key = "max_tokens" if "max_tokens" in body else "max_new_tokens"
-    max_new = _number(body, key, 256, 1, 1 << 20, integer=True)
-    stop = body.get("stop") or ()
-    if isinstance(stop, str):
-        stop = (stop,)
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest("'stop' must be a string or a list of non-empty strings", field="stop")
-    if len(stop) > MAX_STOP_SEQUENCES:
-        raise BadRequest(f"'stop' has more than {MAX_STOP_SEQUENCES} sequences", field="stop")
-    schema = body.get("json_schema")
-    fmt = body.get("format")
-    if schema is not None and fmt is not None:
-        raise BadRequest("give 'json_schema' or 'format', not both", field="format")
-    if fmt is not None:  # Ollama's spelling: "json" or a schema object
-        if fmt == "json":
-            schema = {"type": "object"}
-        elif isinstance(fmt, dict):
-            schema = fmt
-        else:
-            raise BadRequest("'format' must be \"json\" or a JSON schema object", field="format")
-    if schema is not None and not isinstance(schema, dict):
-        raise BadRequest("'json_schema' must be a JSON schema object", field="json_schema")
-    if schema is not None:
-        check_schema(schema, "format" if fmt is not None else "json_schema", limits)
-        if body.get("ignore_eos") is True:  # a grammar ends the output with an end-of-generation token
-            raise BadRequest("'ignore_eos' cannot be combined with a JSON schema", field="ignore_eos")
-    for i, seq in enumerate(stop):
-        check_text(seq, "stop")
-    speculation = requested_proposer(_typed(body, "speculation", str, None,
-                                              what=f"one of {', '.join(PROPOSERS)}"))
-    tools = chat.parse_tools(body.get("tools"), body.get("tool_choice"))
-    if tools is not None:
-        check_schema({"tools": tools.as_openai()}, "tools", limits)
-    return Sampling(
-        max_new_tokens=max_new,
-        temperature=float(_number(body, "temperature", 0.0, 0.0, 5.0)),
-        top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0)),
-        top_k=_number(body, "top_k", 40, 0, 1 << 20, integer=True),
-        seed=_number(body, "seed", None, -(1 << 31), (1 << 32) - 1, integer=True),
-        stop=tuple(stop),
-        json_schema=schema,
-        ignore_eos=_typed(body, "ignore_eos", bool, False, what="a boolean"),
-        tools=tools,
-        reasoning_budget=_number(body, "reasoning_budget", None, 0, 1 << 20, integer=True),
-        speculation=speculation,
-    )
-
-
 # tools and tool_choice belong to both: the prompt renders them, the decode side reads the calls
 PROMPT_KEYS = {"prompt", "messages", "raw", "system", "model", "tools", "tool_choice", "reasoning_effort"}
 SAMPLING_KEYS = {"max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
@@ -310,60 +56,59 @@ SAMPLING_KEYS = {"max_new_tokens", "max_tokens", "temperature", "top_p", "top_k"
 
 def _progress(body: dict, stream: bool | None = None) -> bool:
     """``progress``: heartbeat lines (server/progress.py); on /decode and /generate only with ``stream``."""
-    progress = _typed(body, "progress", bool, False, what="a boolean")
+    progress = typed(body, "progress", bool, False, what="a boolean")
     if progress and stream is False:
         raise BadRequest("'progress' needs 'stream': true (the heartbeats are lines of the stream)", field="progress")
     return progress
 
 
 def parse_prefill(body, limits: Limits = DEFAULT_LIMITS, max_lease_seconds: float = 3600.0) -> PrefillRequest:
-    body = _require_object(body)
-    _known_keys(body, PROMPT_KEYS | {"lease_seconds", "kv_kind", "handoff_mode", "progress"})
-    kv_kind = _typed(body, "kv_kind", str, None, what="a string")
+    body = require_object(body)
+    known_keys(body, PROMPT_KEYS | {"lease_seconds", "kv_kind", "handoff_mode", "progress"})
+    kv_kind = typed(body, "kv_kind", str, None, what="a string")
     if kv_kind not in (None, "llama_seq_state", "neutral_kv"):
         raise BadRequest("'kv_kind' must be 'llama_seq_state' or 'neutral_kv'", field="kv_kind")
-    mode = _typed(body, "handoff_mode", str, "whole", what="a string")
+    mode = typed(body, "handoff_mode", str, "whole", what="a string")
     if mode not in HANDOFF_MODES:
         raise BadRequest(f"'handoff_mode' must be one of {', '.join(HANDOFF_MODES)}", field="handoff_mode")
     return PrefillRequest(
         prompt=parse_prompt(body, limits),
-        model=_typed(body, "model", str, None, what="a string"),
-        lease_seconds=_number(body, "lease_seconds", None, 0.1, max_lease_seconds),
+        model=typed(body, "model", str, None, what="a string"),
+        lease_seconds=number(body, "lease_seconds", None, 0.1, max_lease_seconds),
         kv_kind=kv_kind,
         handoff_mode=mode,
         progress=_progress(body),
     )
 
 
-HANDOFF_MODES = ("whole", "streamed")
 
-
-def parse_kv_ref(value) -> KVRef:
-    if not isinstance(value, dict):
-        raise BadRequest("'kv' must be the object a /prefill answer gave", field="kv")
-    for key in ("url", "handle"):
-        if not isinstance(value.get(key), str) or not value[key]:
-            raise BadRequest(f"'kv.{key}' must be a non-empty string", field=f"kv.{key}")
-    if not value["url"].startswith(("http://", "https://")):
-        raise BadRequest("'kv.url' must be an http(s) URL", field="kv.url")
-    if urlsplit(value["url"]).path.rsplit("/kv/", 1)[-1] != value["handle"]:
-        raise BadRequest("'kv.handle' is not the handle in 'kv.url' (…/kv/<handle>)", field="kv.handle")
-    size = value.get("bytes")
-    crc = value.get("crc32c")
-    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
-        raise BadRequest("'kv.bytes' must be a non-negative integer", field="kv.bytes")
-    if crc is not None and (not isinstance(crc, int) or isinstance(crc, bool)):
-        raise BadRequest("'kv.crc32c' must be an integer", field="kv.crc32c")
-    mode = value.get("mode", "whole")
-    if mode not in HANDOFF_MODES:
-        raise BadRequest(f"'kv.mode' must be one of {', '.join(HANDOFF_MODES)}", field="kv.mode")
-    return KVRef(url=value["url"], handle=value["handle"], bytes=size, crc32c=crc, streamed=mode == "streamed")
-
-
-# The other spellings of what /decode continues from, which clients written to the design documents
-# send: "kv_cache" for "kv", and "context" (the token ids /prefill answered with, beside the original
-# "prompt") for "tokens".
+# -- the design documents' spellings -------------------------------------------------------------
+# Clients written to the design documents send "max_tokens" for "max_new_tokens" and "format" (Ollama's:
+# "json" or a schema) for "json_schema"; on /decode, "kv_cache" for "kv" and "context" (the token ids
+# /prefill answered with, beside the original "prompt") for "tokens". They are read here and nowhere else.
 DOCUMENT_DECODE_KEYS = {"kv_cache", "context", "prompt"}
+
+
+def _sampling(body: dict, limits: Limits) -> Sampling:
+    """The sampling part (``request.parse_sampling``) in either spelling; an error names the field as the
+    request spelled it."""
+    own, spelled = dict(body), {}
+    if "max_tokens" in body:
+        if "max_new_tokens" in body:
+            raise BadRequest("give 'max_new_tokens' or 'max_tokens', not both", field="max_tokens")
+        own["max_new_tokens"], spelled["max_new_tokens"] = own.pop("max_tokens"), "max_tokens"
+    fmt = own.pop("format", None)
+    if fmt is not None:
+        if body.get("json_schema") is not None:
+            raise BadRequest("give 'json_schema' or 'format', not both", field="format")
+        own["json_schema"], spelled["json_schema"] = format_schema(fmt, blank=False), "format"
+    try:
+        return parse_sampling(own, limits)
+    except BadRequest as exc:
+        if exc.field not in spelled:
+            raise
+        raise BadRequest(exc.message.replace(f"'{exc.field}'", f"'{spelled[exc.field]}'"),
+                         field=spelled[exc.field]) from None
 
 
 def _kv_cache(value) -> KVRef:
@@ -374,10 +119,7 @@ def _kv_cache(value) -> KVRef:
     if not isinstance(value, dict):
         raise BadRequest("'kv_cache' must be the 'kv' object a /prefill answer gave (the decode server pulls the "
                          "KV from the prefill server itself; KV bytes are not accepted inside JSON)", field="kv_cache")
-    try:
-        return parse_kv_ref(value)
-    except BadRequest as exc:  # name the field as the request spelled it
-        raise BadRequest(exc.message.replace("'kv", "'kv_cache"), field=exc.field.replace("kv", "kv_cache", 1)) from None
+    return read_kv_ref(value, "kv_cache")  # naming the field as the request spelled it
 
 
 def _decode_source(body: dict) -> tuple[KVRef | None, tuple | None]:
@@ -392,9 +134,9 @@ def _decode_source(body: dict) -> tuple[KVRef | None, tuple | None]:
         if key != "context":
             raise BadRequest("'prompt' on /decode only comes beside 'context' (the documents' shape); "
                              "to generate from a prompt alone, POST /generate", field="prompt")
-        _typed(body, "prompt", str, None, what="a string (the prompt the context came from)")
+        typed(body, "prompt", str, None, what="a string (the prompt the context came from)")
     if key == "kv":
-        return parse_kv_ref(body["kv"]), None
+        return read_kv_ref(body["kv"]), None
     if key == "kv_cache":
         return _kv_cache(body["kv_cache"]), None
     tokens = body[key]
@@ -406,31 +148,32 @@ def _decode_source(body: dict) -> tuple[KVRef | None, tuple | None]:
 
 
 def parse_decode(body, limits: Limits = DEFAULT_LIMITS) -> DecodeRequest:
-    body = _require_object(body)
-    _known_keys(body, SAMPLING_KEYS | {"kv", "tokens", "fingerprint", "model", "prompt_tokens", "progress"}
+    body = require_object(body)
+    known_keys(body, SAMPLING_KEYS | {"kv", "tokens", "fingerprint", "model", "prompt_tokens", "progress"}
                 | DOCUMENT_DECODE_KEYS)
     kv, tokens = _decode_source(body)
-    fingerprint = _typed(body, "fingerprint", dict, None, what="an object")
-    stream = _typed(body, "stream", bool, False, what="a boolean")
+    fingerprint = typed(body, "fingerprint", dict, None, what="an object")
+    stream = typed(body, "stream", bool, False, what="a boolean")
     return DecodeRequest(
-        sampling=parse_sampling(body, limits),
+        sampling=_sampling(body, limits),
         stream=stream,
         kv=kv,
         tokens=tokens,
         fingerprint=fingerprint,
-        model=_typed(body, "model", str, None, what="a string"),
+        model=typed(body, "model", str, None, what="a string"),
         progress=_progress(body, stream),
     )
 
 
 def parse_generate(body, limits: Limits = DEFAULT_LIMITS) -> GenerateRequest:
-    body = _require_object(body)
-    _known_keys(body, PROMPT_KEYS | SAMPLING_KEYS | {"progress"})
-    stream = _typed(body, "stream", bool, False, what="a boolean")
+    body = require_object(body)
+    known_keys(body, PROMPT_KEYS | SAMPLING_KEYS | {"progress"})
+    stream = typed(body, "stream", bool, False, what="a boolean")
     return GenerateRequest(
         prompt=parse_prompt(body, limits),
-        sampling=parse_sampling(body, limits),
+        sampling=_sampling(body, limits),
         stream=stream,
-        model=_typed(body, "model", str, None, what="a string"),
+        model=typed(body, "model", str, None, what="a string"),
         progress=_progress(body, stream),
     )
+

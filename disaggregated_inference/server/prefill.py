@@ -27,6 +27,7 @@ from ..kv.stream import DONE, StreamingBundle
 from .parse import parse_prefill
 from ..kv.lease import LeaseTable
 from .settings import resolve
+from ..wire import KVRef, PrefillAnswer
 
 log = logging.getLogger(__name__)
 
@@ -120,22 +121,23 @@ def prefill_streamed(st, req, prompt, tokenize_time, reservation, started: float
 
 def answer(st, base: str, header, tokens, lease, metrics: dict, kv: dict) -> dict:
     settings = st.settings
-    return {
-        "model": st.backend.served_model(),  # as /health names it; "model_key" is the config's key
-        "model_key": settings.model.name,
-        "server": settings.name,
-        "prompt_tokens": len(tokens),
+    ref = KVRef(url=f"{base}/kv/{lease.handle}", handle=lease.handle, bytes=header.payload_bytes,
+                crc32c=kv["crc32c"], streamed=kv["mode"] == "streamed", kind=header.kind, sent_as=kv["sent_as"],
+                expires_at=kv["expires_at"], lease_seconds=kv["lease_seconds"])
+    return PrefillAnswer(
+        kv=ref,
         # the prompt's token ids (the design documents' "context"): POST /decode {"context": ...}
-        # continues from them by recomputing the prompt; "kv" below hands over the KV itself
-        "context": [int(t) for t in tokens],
-        "handoff": header.kind,
-        "handoff_mode": metrics["handoff_mode"],
-        **({"handoff_mode_reason": metrics["handoff_mode_reason"]} if metrics.get("handoff_mode_reason") else {}),
-        "metrics": metrics,
-        "fingerprint": header.fingerprint,
-        "kv": {"url": f"{base}/kv/{lease.handle}", "handle": lease.handle, "kind": header.kind,
-               "bytes": header.payload_bytes, **kv},
-    }
+        # continues from them by recomputing the prompt; "kv" hands over the KV itself
+        context=tuple(int(t) for t in tokens),
+        metrics=metrics,
+        prompt_tokens=len(tokens),
+        model=st.backend.served_model(),  # as /health names it; "model_key" is the config's key
+        model_key=settings.model.name,
+        server=settings.name,
+        fingerprint=header.fingerprint,
+        handoff_mode=metrics["handoff_mode"],
+        handoff_mode_reason=metrics.get("handoff_mode_reason"),
+    ).write()
 
 
 def prefill():

@@ -16,7 +16,7 @@ with its HTTP ``status`` and ``"done": true``.
 So a client tells a hung server (no line at all: a frozen process, a dead link)
 from a busy one (heartbeats) in seconds, and a stuck model (heartbeats, but no
 ``evaluated`` or token advancing) from one that makes progress at the speed it has
-shown, whatever the request's size; see ``client.py`` and ``watch.py``.
+shown, whatever the request's size; see ``client/`` and ``watch.py``; each line's type is in ``wire.py``.
 
 The request's work runs on a helper thread of its own, so that its waits (a slot,
 the model, a KV pull) need not be cut into slices; the request's HTTP thread
@@ -31,6 +31,7 @@ from typing import Callable, Iterator
 
 from ..errors import DisaggError
 from ..watch import HEARTBEAT_SECONDS
+from ..wire import ErrorLine, Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -45,21 +46,19 @@ class Progress:
         self.phase, self.tokens, self.evaluated, self.generated = phase, None, 0, 0
 
     def line(self) -> dict:
-        line = {"status": self.phase}
         if self.phase == "prefill" and self.tokens is not None:
-            line.update(tokens=self.tokens, evaluated=self.evaluated)
-        elif self.phase == "decode":
-            line["generated"] = self.generated
-        return line
+            return Heartbeat(self.phase, tokens=self.tokens, evaluated=self.evaluated).write()
+        if self.phase == "decode":
+            return Heartbeat(self.phase, generated=self.generated).write()
+        return Heartbeat(self.phase).write()
 
 
 def error_line(exc: BaseException) -> dict:
     """An error as the last line of a progress answer: its JSON body, its HTTP status, ``done``."""
     if isinstance(exc, DisaggError):
-        return {**exc.to_dict(), "status": exc.status, "done": True}
+        return ErrorLine(exc.to_dict(), exc.status).write()
     log.error("request failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
-    return {"error": f"internal error: {type(exc).__name__}: {exc}", "code": "internal_error", "status": 500,
-            "done": True}
+    return ErrorLine({"error": f"internal error: {type(exc).__name__}: {exc}", "code": "internal_error"}, 500).write()
 
 
 def lines(work: Callable[[Progress], Iterator[dict]], interval: float = HEARTBEAT_SECONDS) -> Iterator[dict]:

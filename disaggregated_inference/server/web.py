@@ -13,25 +13,25 @@ import hmac
 import json
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass, field, replace
 
 from flask import Flask, Response, current_app, request
-from werkzeug.exceptions import ClientDisconnected, HTTPException, RequestEntityTooLarge
+from werkzeug.exceptions import HTTPException
 
 from .. import __version__, backends
 from ..backends import options
 from ..backends.base import Prompt, check_fits
 from ..kv.canary import CanaryPolicy
-from ..errors import (BadRequest, DisaggError, ModelNotFound, PayloadTooLarge, RequestTimeout, Unauthorized,
-                      UnsupportedMediaType)
+from ..errors import DisaggError, ModelNotFound, Unauthorized, UnsupportedMediaType
 from ..kv.receive import socket_buffer_in_effect
 from ..tuning import copy_tunable_in_effect
+from .. import http
+from ..http import STREAM_HEADERS, arrival_limits, parse_json  # noqa: F401  (arrival_limits: gunicorn_conf)
 from . import energy, resources  # psutil: imported with the app (metrics.py samples it for /metrics too)
 from . import admission, cores
 from .metrics import ServerMetrics
-from .parse import Limits, parse_json
+from ..request import Limits
 from .owner import ModelOwner
 from .settings import ServerSettings
 
@@ -184,11 +184,6 @@ def health():
     return json_response(body, 200 if body["status"] in ("healthy", "loading") else 503)
 
 
-def arrival_limits(header_timeout: float, body_timeout: float, max_request_bytes: int) -> dict:
-    """What the gunicorn worker (``worker.py``) holds a request to before it gives it a thread."""
-    return {"header_timeout": header_timeout, "body_timeout": body_timeout, "max_body_bytes": max_request_bytes}
-
-
 def json_response(body: dict, status: int = 200, headers: dict | None = None) -> Response:
     return Response(json.dumps(body), status=status, mimetype="application/json", headers=headers)
 
@@ -214,50 +209,11 @@ def json_body() -> dict:
 
 
 def read_body(limit: int | None = None, timeout: float | None = None) -> bytes:
-    """The request body, read within ``timeout`` seconds in all (not per read: a client that
-    trickles a byte at a time is cut off too) and at most ``limit`` bytes long; by default this
-    server's ``body_timeout`` and ``max_request_bytes`` (the gateway passes its own)."""
-    if limit is None or timeout is None:
-        settings = state().settings
-        limit = settings.max_request_bytes if limit is None else limit
-        timeout = settings.body_timeout if timeout is None else timeout
-    if request.content_length is not None and request.content_length > limit:
-        raise PayloadTooLarge(f"request body of {request.content_length} bytes; this server takes at most {limit}",
-                              field="body", close=True)
-    sock = request.environ.get("gunicorn.socket")
-    deadline = time.monotonic() + timeout
-    before = sock.gettimeout() if sock is not None else None
-    chunks, size = [], 0
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            if sock is not None:
-                sock.settimeout(left)
-            try:
-                chunk = request.stream.read(min(1 << 20, limit + 1 - size))
-            except RequestEntityTooLarge:  # a chunked body past MAX_CONTENT_LENGTH (Werkzeug counts it)
-                raise PayloadTooLarge(f"request body over {limit} bytes", field="body", close=True) from None
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"request body over {limit} bytes", field="body", close=True)
-    except ClientDisconnected:
-        if time.monotonic() < deadline - 0.05:
-            raise BadRequest("the client closed the connection before sending the whole body", field="body",
-                             close=True) from None
-        raise RequestTimeout(f"the request body did not arrive within {timeout:g}s",
-                             field="body", close=True) from None
-    except (socket.timeout, TimeoutError):
-        raise RequestTimeout(f"the request body did not arrive within {timeout:g}s",
-                             field="body", close=True) from None
-    finally:
-        if sock is not None:
-            sock.settimeout(before)
-    return b"".join(chunks)
+    """The request body (``http.read_body``), by default within this server's ``body_timeout`` and
+    ``max_request_bytes``."""
+    settings = state().settings
+    return http.read_body(settings.max_request_bytes if limit is None else limit,
+                          settings.body_timeout if timeout is None else timeout)
 
 
 def request_limits() -> Limits:
@@ -292,10 +248,6 @@ def check_model(name: str | None) -> None:
         raise ModelNotFound(f"this server serves {settings.model.name or settings.model.model!r}, not {name!r}",
                             field="model")
 
-
-# A streamed answer goes out line by line: a reverse proxy in front (nginx) must not hold it back, or the
-# heartbeats by which a client tells a working server from a hung one (progress.py) would not reach it.
-STREAM_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
 
 
 def ndjson(lines) -> Response:

@@ -1,4 +1,4 @@
-"""A FAKE client for tests of the grading logic: canned JSON answers, no servers, no models.
+"""A FAKE client for tests of the grading logic: canned JSON answers, no servers, no models (test-only).
 
 It has the real client's surface that the grader and the web interface use
 (``generate``, ``generate_many``, ``status``, ``check_health``, ``history``,
@@ -6,6 +6,10 @@ It has the real client's surface that the grader and the web interface use
 the models; tests of real answers go through ``DisaggregatedClient``.
 
     fake = FakeGradingClient(code=['not json', {"scores": ...}])  # first answer invalid, then one valid
+
+Its requests are ``GenerationRequest``s built as the real client builds them (an argument the real
+client does not take fails here) and its metrics a ``RequestMetrics`` (a renamed quantity or a
+method that is not one fails here): the fake cannot drift from the real client's shapes.
 """
 from __future__ import annotations
 
@@ -13,8 +17,11 @@ import json
 import threading
 import time
 from collections import deque
+from dataclasses import fields
 
-from ..client import overlap_figures
+from disaggregated_inference.client import overlap_figures
+from disaggregated_inference.metrics import Method, RequestMetrics
+from disaggregated_inference.request import GenerationRequest
 
 FAKE_TIMES = {"code": (0.25, 0.75), "feedback": (0.5, 1.0)}  # (prefill, decode) seconds reported per role
 FAKE_SLOTS = 4  # slots each fake server reports, as /health's slots.total
@@ -80,24 +87,35 @@ class FakeGradingClient:
             raise item
         return item if isinstance(item, str) else json.dumps(item)
 
+    @staticmethod
+    def _request(model, prompt, max_tokens, temperature, kwargs: dict) -> dict:
+        """The request as the real client takes it (``GenerationRequest.of``), as a dict of the fields given
+        (the first four always)."""
+        request = model if isinstance(model, GenerationRequest) else GenerationRequest.of(
+            model, prompt, max_tokens, temperature, **kwargs)
+        return {f.name: getattr(request, f.name) for f in fields(request)
+                if f.name in ("model", "prompt", "max_tokens", "temperature") or getattr(request, f.name) != f.default}
+
     def generate(self, model: str, prompt: str | None = None, max_tokens: int = 256, temperature: float = 0.0,
-                 **kwargs) -> tuple[str, dict]:
-        request = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, **kwargs}
+                 route: str | None = None, **kwargs) -> tuple[str, dict]:
+        request = self._request(model, prompt, max_tokens, temperature, kwargs)
         self.calls.append(request)
         role = role_of(request)
         text = self._answer(role, request)
         prefill, decode = FAKE_TIMES[role]
-        return text, self._metrics(model, prompt, text, prefill, decode, request.get("reasoning_effort"))
+        return text, self._metrics(request["model"], request["prompt"], text, prefill, decode,
+                                   request.get("reasoning_effort"))
 
     def _metrics(self, model: str, prompt: str | None, text: str, prefill: float, decode: float,
                  reasoning_effort: str | None = None) -> dict:
-        metrics = {"prefill_time": prefill, "decode_time": decode, "total_time": prefill + decode,
-                   "prompt_tokens": len(prompt or "") // 3, "completion_tokens": len(text) // 3,
-                   "prefill_speed": 1000.0, "decode_speed": 50.0, "method": "disaggregated",
-                   "prefill_server": f"fake-prefill-{model}", "decode_server": f"fake-decode-{model}",
-                   "kv_bytes": 0, "finish_reason": "stop"}
+        reasoning = {}
         if reasoning_effort:  # a model that reasons before it answers, as gpt-oss does
-            metrics.update(reasoning=FAKE_REASONING, reasoning_tokens=len(FAKE_REASONING) // 3)
+            reasoning = {"reasoning": FAKE_REASONING, "reasoning_tokens": len(FAKE_REASONING) // 3}
+        metrics = RequestMetrics(
+            method=Method.KV_HANDOFF, prefill_server=f"fake-prefill-{model}", decode_server=f"fake-decode-{model}",
+            prefill_time=prefill, decode_time=decode, total_time=prefill + decode,
+            prompt_tokens=len(prompt or "") // 3, completion_tokens=len(text) // 3, prefill_speed=1000.0,
+            decode_speed=50.0, kv_bytes=0, finish_reason="stop", **reasoning).as_dict()
         self.history.append({"time": time.time(), "model": model, **metrics})
         return metrics
 
@@ -148,9 +166,10 @@ class StreamingFakeClient(FakeGradingClient):
         return self.piece_s
 
     def stream(self, model: str, prompt: str | None = None, max_tokens: int = 256, temperature: float = 0.0,
-               on_route=None, **kwargs):
+               on_route=None, route: str | None = None, parts: bool = False, **kwargs):
         started = time.perf_counter()
-        request = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, **kwargs}
+        request = self._request(model, prompt, max_tokens, temperature, kwargs)
+        model = request["model"]
         with self.lock:
             self.calls.append(request)
             index = self.opened
@@ -175,8 +194,8 @@ class StreamingFakeClient(FakeGradingClient):
                 yield text[at:at + step]
             prefill_time = self.prefill_s
             elapsed = time.perf_counter() - started
-            metrics = self._metrics(model, prompt, text, prefill_time, elapsed - prefill_time,
-                                   request.get("reasoning_effort"))
+            metrics = self._metrics(model, request["prompt"], text, prefill_time, elapsed - prefill_time,
+                                    request.get("reasoning_effort"))
             metrics["total_time"] = round(elapsed, 6)
             yield metrics
         except GeneratorExit:  # closed by the caller before its end
