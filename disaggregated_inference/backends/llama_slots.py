@@ -88,6 +88,14 @@ class Slots:
         if self._threads is not None:
             self._threads = threads
 
+    @property
+    def _free_row(self) -> bool:
+        """Whether a lone generating sequence's step carries a padding row that a guess may take instead
+        (``_evaluate_invariant``; a verify step of one sequence alone needs no padding, and its rows compute as
+        one-token steps do): deterministic steps on a model without a sliding window, where a row past the
+        window's end may take a cell the window still needs."""
+        return bool(self.settings.deterministic) and not self._fingerprint.get("n_swa")
+
     def cached_prefixes(self) -> dict[int, int]:
         """Free slot -> how many prompt tokens of KV it holds for reuse (tests, diagnostics)."""
         return {seq: len(held) for seq, held in sorted(self._cached.items())}
@@ -126,8 +134,8 @@ class Slots:
                 if ev.draft_acceptance is not None:
                     del ev.tokens[1:]
                     ev.draft_acceptance = None
-        elif self._step_cost is not None:
-            cut_drafts(evals, self._step_cost, self._n_ubatch)
+        elif self._step_cost is not None:  # alone with deterministic steps, a guess may take the padding row
+            cut_drafts(evals, self._step_cost, self._n_ubatch, rows=2 if deterministic and self._free_row else 1)
         # singles and speculative steps first, then chunks
         for ev in sorted(evals, key=lambda e: (1 if e.draft_acceptance is not None else len(e.tokens) - e.done, e.seq)):
             left = len(ev.tokens) - ev.done
