@@ -325,14 +325,14 @@ class PeerServer:
     """One llama-server process for one model, on a free loopback port."""
 
     def __init__(self, binary: str, gguf: str, threads: int, slots: int, n_ctx: int, flash_attn: bool,
-                 log_dir: Path, name: str, env: dict | None = None):
+                 log_dir: Path, name: str, env: dict | None = None, extra: tuple = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"llama-server-{name}.log"
         self.command = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port),
                         "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(n_ctx * slots),
                         "--no-kv-unified", "-b", "512", "-ub", "512", "-fa", "on" if flash_attn else "off",
-                        "--no-webui"]
+                        "--no-webui", *extra]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                          env={**os.environ, **(env or {})})
@@ -480,6 +480,9 @@ def main(argv=None) -> int:
     parser.add_argument("--peer-env", action="append", default=[], metavar="NAME=VALUE",
                         help="an environment variable for llama-server only (default: this process's environment, "
                              "as a user runs it), e.g. GOMP_SPINCOUNT=1000 for the spin count ours uses")
+    parser.add_argument("--peer-arg", action="append", default=[], metavar="ARG",
+                        help="an extra llama-server argument, repeatable (e.g. --peer-arg=--spec-type "
+                             "--peer-arg=ngram-simple: its own n-gram speculation, in a run beside the default's)")
     parser.add_argument("--max-cell-seconds", type=float, default=90.0,
                         help="cut a cell after this long (an endpoint that collapsed): its row is marked incomplete")
     parser.add_argument("--autogroup-nice", type=int, help="Linux: niceness of this run's sessions (root for < 0)")
@@ -522,7 +525,7 @@ def main(argv=None) -> int:
                     model = data["models"][name]
                     peers.append(PeerServer(binary, str(resolve_gguf(model["model"])), args.threads, args.slots,
                                             model.get("n_ctx", 4096), bool(model.get("flash_attn")), log_dir, name,
-                                            peer_env))
+                                            peer_env, tuple(args.peer_arg)))
                     autogroup(peers[-1].proc.pid, args.autogroup_nice)
             cluster.wait_healthy(timeout=900)
             for peer in peers:
