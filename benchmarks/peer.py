@@ -41,7 +41,9 @@ JSON: ``rows`` (``endpoint``, ``workload``, ``concurrency``, ``busy_models``, ``
 ``gen_tok_s`` = completion tokens of the cell over ``wall_s``, requests, tokens, failures, the
 endpoint's processes' CPU milliseconds per token),
 ``cells`` (medians over rounds and each cell's ``speed_vs_peer``: the median of the rounds' own
-ratios of ``gen_tok_s`` to llama-server's), and ``targets`` (issue 36: the decode server >= 0.9x
+ratios of ``gen_tok_s`` to llama-server's; ``spread``: the lowest, highest and interquartile range
+over the rounds of ``gen_tok_s``, ``cpu_ms_per_token`` and the ratio; one-model cells run 4 rounds
+by default, issue 44), and ``targets`` (issue 36: the decode server >= 0.9x
 of llama-server in the four one-model cells; both models busy, decode-bound 8 at once, >= 109 tok/s
 combined and >= 0.9x of two llama-servers); ``servers``: each of our servers' wait policy and,
 from its /health at the end, its core share (``contended_holds``: how often other programs' load
@@ -324,14 +326,14 @@ class PeerServer:
     """One llama-server process for one model, on a free loopback port."""
 
     def __init__(self, binary: str, gguf: str, threads: int, slots: int, n_ctx: int, flash_attn: bool,
-                 log_dir: Path, name: str, env: dict | None = None):
+                 log_dir: Path, name: str, env: dict | None = None, extra: tuple = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"llama-server-{name}.log"
         self.command = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port),
                         "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(n_ctx * slots),
                         "--no-kv-unified", "-b", "512", "-ub", "512", "-fa", "on" if flash_attn else "off",
-                        "--no-webui"]
+                        "--no-webui", *extra]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                          env={**os.environ, **(env or {})})
@@ -386,13 +388,23 @@ def _median(values):
     return round(statistics.median(values), 3) if values else None
 
 
+def _spread(values) -> dict | None:
+    """The rounds' spread of one figure: lowest, highest and interquartile range (None with no value)."""
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return {"min": round(values[0], 3), "max": round(values[-1], 3), "iqr": round(q[2] - q[0], 3)}
+
+
 def _whole(row: dict) -> bool:
     """Every request of the row sent and answered."""
     return not row["failed"] and "incomplete" not in row
 
 
 def summarise(rows: list[dict]) -> list[dict]:
-    """Per cell and endpoint: medians over rounds, and the median of the rounds' own ratios to the peer."""
+    """Per cell and endpoint: medians over rounds, and the median of the rounds' own ratios to the peer; with
+    ``spread``, each figure's lowest, highest and interquartile range over the rounds."""
     cells = []
     keys = sorted({(r["workload"], r["concurrency"], r["busy_models"]) for r in rows})
     for workload, c, busy in keys:
@@ -410,7 +422,10 @@ def summarise(rows: list[dict]) -> list[dict]:
                           "gen_tok_s": _median(r["gen_tok_s"] for r in runs),
                           "wall_s": _median(r["wall_s"] for r in runs),
                           "cpu_ms_per_token": _median(r["cpu_ms_per_token"] for r in runs),
-                          "speed_vs_peer": _median(ratios) if endpoint != PEER else None})
+                          "speed_vs_peer": _median(ratios) if endpoint != PEER else None,
+                          "spread": {"gen_tok_s": _spread(r["gen_tok_s"] for r in runs),
+                                     "cpu_ms_per_token": _spread(r["cpu_ms_per_token"] for r in runs),
+                                     "speed_vs_peer": _spread(ratios) if endpoint != PEER else None}})
     return cells
 
 
@@ -448,9 +463,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the whole result as JSON (default: cells and targets)")
     quick.add_argument(parser)  # the tiny model under both names, a few short requests; llama-server only if built
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of the decode-bound cells with one model busy")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of the decode-bound cells with one model busy")
     parser.add_argument("--both-rounds", type=int, default=1, help="rounds of the decode-bound cells with both busy")
-    parser.add_argument("--prompt-rounds", type=int, default=1, help="rounds of the prompt-bound cells")
+    parser.add_argument("--prompt-rounds", type=int, default=4, help="rounds of the prompt-bound cells")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--slots", type=int, default=4, help="parallel requests per server (llama-server -np)")
     parser.add_argument("--workloads", nargs="*", default=["decode-bound", "prompt-bound"])
@@ -466,6 +481,9 @@ def main(argv=None) -> int:
     parser.add_argument("--peer-env", action="append", default=[], metavar="NAME=VALUE",
                         help="an environment variable for llama-server only (default: this process's environment, "
                              "as a user runs it), e.g. GOMP_SPINCOUNT=1000 for the spin count ours uses")
+    parser.add_argument("--peer-arg", action="append", default=[], metavar="ARG",
+                        help="an extra llama-server argument, repeatable (e.g. --peer-arg=--spec-type "
+                             "--peer-arg=ngram-simple: its own n-gram speculation, in a run beside the default's)")
     parser.add_argument("--max-cell-seconds", type=float, default=90.0,
                         help="cut a cell after this long (an endpoint that collapsed): its row is marked incomplete")
     parser.add_argument("--autogroup-nice", type=int, help="Linux: niceness of this run's sessions (root for < 0)")
@@ -508,7 +526,7 @@ def main(argv=None) -> int:
                     model = data["models"][name]
                     peers.append(PeerServer(binary, str(resolve_gguf(model["model"])), args.threads, args.slots,
                                             model.get("n_ctx", 4096), bool(model.get("flash_attn")), log_dir, name,
-                                            peer_env))
+                                            peer_env, tuple(args.peer_arg)))
                     autogroup(peers[-1].proc.pid, args.autogroup_nice)
             cluster.wait_healthy(timeout=900)
             for peer in peers:

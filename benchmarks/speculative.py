@@ -32,6 +32,13 @@ concurrency. Requests go to ``/generate`` (decode-only): the token loop is the o
 ``/decode`` runs.
 
     .venv/bin/python benchmarks/speculative.py --json
+    .venv/bin/python benchmarks/speculative.py --json --sets decode-bound prompt-bound --deterministic off
+
+``--sets`` picks the prompt sets (``code``, ``free``, and benchmarks/peer.py's ``decode-bound`` and
+``prompt-bound`` workloads, raw prompts with end-of-generation ignored); ``--flash-attn off`` runs
+the model without flash attention (with deterministic steps, a lone token then goes unpadded where
+the load measures that exact: docs/ARCHITECTURE.md, Determinism). ``cells_below_0_97`` lists the
+set/concurrency cells where ngram fell below 0.97x of off (issue 44's bar for the default).
     .venv/bin/python benchmarks/speculative.py --quick --json   # seconds: the tiny model, short answers
 """
 from __future__ import annotations
@@ -50,6 +57,7 @@ import requests
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import peer  # noqa: E402  (benchmarks/peer.py: its workloads' prompts)
 import quick  # noqa: E402
 from disaggregated_inference.grading.analysis import CODE  # noqa: E402
 from disaggregated_inference.ops.cluster import LocalCluster  # noqa: E402
@@ -65,6 +73,7 @@ FREE = [
     "Write a fable about a fox who wanted to learn to fly.",
 ]
 SLOTS = 8
+PEER_SETS = ["decode-bound", "prompt-bound"]  # benchmarks/peer.py's workloads
 
 
 def code_requests() -> tuple[list[dict], list[dict]]:
@@ -84,7 +93,17 @@ def free_requests(max_tokens: int) -> list[dict]:
     return [{"prompt": p, "max_new_tokens": max_tokens, "temperature": 0} for p in FREE]
 
 
-def config_dict(threads: int, tiny: bool, deterministic: bool = True) -> dict:
+def peer_requests(workload: str, quick_run: bool) -> list[dict]:
+    """benchmarks/peer.py's workload ``workload`` (decode-bound: 8 short prompts x 192 tokens; prompt-bound: 16
+    prompts of ~950 tokens x 48) as /generate bodies: raw prompts, greedy, end-of-generation ignored."""
+    work = {"decode-bound": peer.Workload("decode-bound", 8, 192),
+            "prompt-bound": peer.Workload("prompt-bound", 16, 48, lines=24)}[workload]
+    n, tokens = (2, 8) if quick_run else (work.prompts, work.max_tokens)
+    return [{"prompt": work.prompt(0, i), "raw": True, "max_new_tokens": tokens, "temperature": 0,
+             "ignore_eos": True} for i in range(n)]
+
+
+def config_dict(threads: int, tiny: bool, deterministic: bool = True, flash_attn: bool | None = None) -> dict:
     data = json.loads((ROOT / "config_current.json").read_text())
     data = quick.on_tiny_model(data, keep=("qwen",)) if tiny else {
         **data, "models": {"qwen": data["models"]["qwen"]},
@@ -95,6 +114,8 @@ def config_dict(threads: int, tiny: bool, deterministic: bool = True) -> dict:
     # the model's default does not matter (every request names its proposer); "ngram" measures the step
     # cost at load rather than at the first draft, which would take a slot's cached prompt
     model.update(parallel=SLOTS, n_threads=threads, speculation="ngram", deterministic=deterministic)
+    if flash_attn is not None:  # off: deterministic lone tokens unpadded where the load measures that exact
+        model["flash_attn"] = flash_attn
     data["server"].update(queue_timeout=600, max_queue=256)
     return data
 
@@ -161,23 +182,29 @@ def main(argv=None) -> int:
     ap.add_argument("--free-tokens", type=int, default=160, help="max_tokens of the free-writing prompts")
     ap.add_argument("--code-tokens", type=int, default=0, help="max_tokens of the code requests (0: the grader's)")
     ap.add_argument("--limit", type=int, default=0, help="the first N prompts of each set only (0: all)")
+    ap.add_argument("--sets", nargs="*", default=["code", "free"], choices=["code", "free"] + PEER_SETS,
+                    help="prompt sets: the grader's code requests, free writing, peer.py's workloads")
+    ap.add_argument("--flash-attn", choices=("on", "off"), help="the model's flash_attn (default: the config's)")
     ap.add_argument("--deterministic", choices=("on", "off"), default="on",
                     help="the server's batch-invariant steps (on: as the grader's cluster runs)")
     quick.add_argument(ap)
     args = quick.apply(ap, ap.parse_args(argv), threads=1, free_tokens=24, code_tokens=32, limit=3)
 
-    data = config_dict(args.threads, args.quick, args.deterministic == "on")
+    data = config_dict(args.threads, args.quick, args.deterministic == "on",
+                       None if args.flash_attn is None else args.flash_attn == "on")
     bodies8: dict[str, list[dict]] = {}
-    code, feedback = code_requests()
-    sets = {"code": code, "free": free_requests(args.free_tokens)}
-    fill = {"code": feedback[:1], "free": []}  # the eighth concurrent request where a set has 7
+    code, feedback = code_requests() if "code" in args.sets else ([], [])
+    sets = {"code": code, "free": free_requests(args.free_tokens),
+            **{name: peer_requests(name, args.quick) for name in PEER_SETS}}
+    sets = {name: sets[name] for name in args.sets}
+    fill = {"code": feedback[:1]}  # the eighth concurrent request where a set has 7
     for name, bodies in sets.items():
         if args.limit:
             del bodies[args.limit:]
         if not args.limit and len(bodies) < SLOTS:
-            bodies8[name] = bodies + fill[name][:SLOTS - len(bodies)]
+            bodies8[name] = bodies + fill.get(name, [])[:SLOTS - len(bodies)]
         if args.code_tokens and name == "code":
-            for b in bodies + fill[name]:
+            for b in bodies + fill.get(name, []):
                 b["max_new_tokens"] = args.code_tokens
     rows = []
     with LocalCluster(data, free_ports=True) as cluster:
@@ -203,6 +230,9 @@ def main(argv=None) -> int:
         "quick": args.quick,
         "model": "tiny llama (generated)" if args.quick else data["models"]["qwen"]["model"],
         "threads": args.threads, "slots": SLOTS, "rounds": args.rounds, "deterministic": args.deterministic == "on",
+        "flash_attn": data["models"]["qwen"].get("flash_attn"), "sets": list(sets),
+        # issue 44: ngram becomes the default where no cell falls below this of speculation off
+        "cells_below_0_97": sorted(k for k, v in ratios.items() if v < 0.97),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "step_cost": (describe.get("model_info") or describe.get("backend") or {}).get("speculation")
         if isinstance(describe, dict) else None,

@@ -300,6 +300,8 @@ def test_peer():
     for c in cells:
         same = [r for r in rows if all(r[k] == c[k] for k in ("workload", "concurrency", "busy_models", "endpoint"))]
         assert c["rounds"] == len(same) == 1 and c["gen_tok_s"] == same[0]["gen_tok_s"]
+        one = same[0]["gen_tok_s"]  # one round: no spread
+        assert c["spread"]["gen_tok_s"] == {"min": round(one, 3), "max": round(one, 3), "iqr": 0}
         peer = next((p for p in cells if p["endpoint"] == "llama-server"
                      and all(p[k] == c[k] for k in ("workload", "concurrency", "busy_models"))), None)
         if c["endpoint"] in ours and peer is not None:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from disaggregated_inference.backends import ModelSettings, create
-from disaggregated_inference.backends.base import Eval, Prompt
+from disaggregated_inference.backends.base import Eval, Prompt, Sampling
 from disaggregated_inference.testing.bundles import read_bundle
 
 from .conftest import tiny_model_settings
@@ -126,6 +126,39 @@ def test_a_one_slot_server_computes_as_a_multi_slot_one():
         finally:
             b.close()
     assert all(np.array_equal(a, c) for a, c in zip(*got))
+
+
+def test_the_load_measures_whether_a_lone_row_needs_its_padding_row():
+    """``_lone_rows_exact`` at load: the tiny llama's F16 weights take another matmul path for one row than for
+    two (5e-7 apart), so its lone tokens keep the padding row (and a guess in it); with flash attention,
+    which splits a lone query's cells across threads, nothing is measured."""
+    for flash_attn in (False, True):
+        b = tiny_backend(True, flash_attn=flash_attn)
+        try:
+            assert b._lone_exact is False and b.describe()["lone_rows_exact"] is False and b._free_row
+        finally:
+            b.close()
+
+
+@pytest.mark.slow
+def test_without_flash_attention_smollm2_computes_a_lone_row_unpadded_bit_for_bit():
+    """SmolLM2 (Q4_1/Q8_0 weights) without flash attention: a lone token's one row computes as beside others, so
+    the load's probe lets its steps go unpadded (a lone request at the plain steps' speed), and the whole
+    probe above, alone against beside 1, 3, 7 others and a prompt, is still 0 apart."""
+    moved = moved_beside_others(deterministic=True, model="smollm2", flash_attn=False)
+    print("smollm2, no flash attention:", moved)
+    assert moved == {name: 0.0 for name in moved}
+    b = tiny_backend(True, model="smollm2", flash_attn=False)
+    try:
+        assert b._lone_exact and not b._free_row and b.describe()["lone_rows_exact"]
+        pads, decode = [], b._decode
+        b._decode = lambda chosen, extra=None: (pads.append(extra), decode(chosen, extra))[1]
+        greedy = Sampling(max_new_tokens=8, temperature=0, ignore_eos=True)
+        b.run(b.generate(Prompt(text=text(1, 40)), greedy, lambda: False))
+        steps = [p for p in pads if p is not None]  # the singles' steps: the prompt's last token, then 7 more
+        assert len(steps) == 8 and steps == [[]] * 8  # none padded
+    finally:
+        b.close()
 
 
 def test_the_setting_is_off_by_default_and_reported():

@@ -57,6 +57,30 @@ def test_prompt_lookup_respects_the_minimum_match():
     assert PromptLookup(min_match=2).propose([1, 2, 9, 1, 2]).tokens == [9, 1, 2]
 
 
+def test_a_free_row_gets_a_guess_where_no_draft_matches():
+    """``free_row``: a lone sequence's padding row (deterministic steps) takes a one-token guess whenever the
+    n-gram drafts have none: the successor of a shorter match, else the last token again. Its misses
+    never stop the real drafts."""
+    p = PromptLookup(max_draft=4, min_match=3, free_row=True)
+    assert p.propose([1, 2, 9, 1, 2]).tokens == [9]  # a 2-token match, under min_match: one guess of it
+    assert p.propose([1, 2, 9, 1, 2, 5]).tokens == [5]  # nothing matches: the last token again
+    for _ in range(2 * GIVE_UP_AFTER):
+        p.propose([1, 2, 9, 1, 2, 5, 7])
+        p.feedback(0, 1)
+    assert not p.stopped and p.propose([1, 2, 9, 1, 2, 5, 7, 1, 2, 9]).tokens == [1, 2, 5, 7]
+    assert PromptLookup(min_match=3).propose([1, 2, 9, 1, 2, 5]) is None  # without it: no draft
+
+
+def test_cut_drafts_keeps_a_guess_in_a_row_the_step_pays_for_anyway():
+    cost = StepCost(per_ubatch=0.6, per_token=0.4)
+    padded = Eval(0, [7, 1], 10, draft_acceptance=0.1)
+    cut_drafts([padded], cost, rows=2)
+    assert padded.tokens == [7, 1] and padded.draft_acceptance == 0.1
+    unpadded = Eval(0, [7, 1], 10, draft_acceptance=0.1)
+    cut_drafts([unpadded], cost)
+    assert unpadded.tokens == [7] and unpadded.draft_acceptance is None
+
+
 def test_ubatches_follow_llama_cpp_split_equal():
     assert ubatches([(0, 1), (1, 1), (2, 1)]) == [3]  # consecutive singles: one ubatch
     assert ubatches([(0, 1), (2, 1)]) == [1, 1]  # a gap splits
@@ -337,6 +361,24 @@ def test_sequences_verifying_in_one_step_each_get_their_own_answer(tiny, shared_
         assert shared_steps == 0 and metrics[0]["draft_tokens"] == metrics[1]["draft_tokens"] == 0
     else:
         assert shared_steps > 0 and metrics[0]["accepted_tokens"] > 0 and metrics[1]["accepted_tokens"] > 0
+
+
+def test_a_lone_deterministic_sequence_guesses_in_its_padding_row_and_answers_the_same(tiny):
+    """With deterministic steps a lone sequence's token carries a throwaway padding row; with speculation off
+    the loop puts a one-token guess there instead, verified in a step of the sequence alone (its rows
+    compute as one-token steps do). The greedy answer is the padded one's, bit for bit, and every
+    right guess saves a step. The answer reports no draft figures: speculation is off."""
+    greedy = Sampling(max_new_tokens=48, temperature=0, ignore_eos=True)
+    prompt = Prompt(text="a b a b a b a b a b a b a b " * 4)
+    assert tiny._free_row and tiny.settings.speculation == "off"
+    before = tiny._batches
+    padded, _ = run(tiny, prompt, greedy)  # no proposer at all: every step padded
+    padded_steps, before = tiny._batches - before, tiny._batches
+    events, _ = tiny.run(tiny.generate(prompt, greedy, lambda: False))
+    guessed_steps = tiny._batches - before
+    assert "".join(e.piece or "" for e in events if e.piece) == padded
+    assert "draft_tokens" not in events[-1].metrics
+    assert guessed_steps < padded_steps
 
 
 # -- text the chat format feeds (gpt-oss's harmony: a spent reasoning budget) ------------------------------

@@ -98,6 +98,7 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
         self._cells: llama_cells.CacheCells | None = None  # direct row access (streamed handoffs), when it checks out
         self._cells_reason: str | None = None
         self._cells_probed = False
+        self._lone_exact = False  # deterministic: a lone token's row computes as beside others, unpadded (llama_slots)
         self._batches = 0  # llama_decode calls: a row's logits are valid until the next one
 
     # -- loading ---------------------------------------------------------------------------------
@@ -175,6 +176,7 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
         self._prefix_cache = bool(s.prefix_cache) and not self._fingerprint["n_swa"]
         self._cells, self._cells_reason, self._cells_probed = None, None, False
         progress(f"loaded in {time.perf_counter() - started:.1f}s")
+        self._lone_exact = self._lone_rows_exact() if s.deterministic else False
         if s.speculation != "off":
             self._step_cost = self._measure_step_cost()
             progress(f"speculation {s.speculation}: a step costs {self._step_cost.per_ubatch * 1000:.2f} ms per "
@@ -202,7 +204,7 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
         return {"model_file": str(self.model_path), "n_ctx": self.settings.n_ctx, "parallel": self.slots,
                 "arch": self._fingerprint.get("arch"), "n_swa": self._fingerprint.get("n_swa"),
                 "n_vocab": self._fingerprint.get("n_vocab"), "prefix_cache": self._prefix_cache,
-                "deterministic": bool(self.settings.deterministic),
+                "deterministic": bool(self.settings.deterministic), "lone_rows_exact": self._lone_exact,
                 "tiled_matmul": os.environ.get(TILED_MATMUL_ENV, "1") != "0",
                 "library_version": self._fingerprint.get("library_version"),
                 "chat_format": self.chat.name if self.chat is not None else None,

@@ -108,14 +108,15 @@ class TokenLoop:
 
     def _proposer(self, sampling: Sampling):
         """The request's draft proposer (speculate.py), or None: the request's ``speculation`` if it names one,
-        else the model's setting. The step cost is measured the first time a proposer is needed (on the owner
+        else the model's setting; with deterministic steps, one that guesses in a lone sequence's padding row
+        even with ``off`` (free: the answer is the same, and a right guess gives two tokens a step). The step cost is measured the first time a proposer is needed (on the owner
         thread, between steps: a fraction of a second, once)."""
         kind = sampling.speculation or self.settings.speculation
         if kind != "off" and self._step_cost is None:
             self._step_cost = self._measure_step_cost()
             log.info("speculation: a step costs %.3f ms per ubatch + %.3f ms per token",
                      self._step_cost.per_ubatch * 1000, self._step_cost.per_token * 1000)
-        return proposer(kind, self.settings.draft_max, self.settings.draft_min_match)
+        return proposer(kind, self.settings.draft_max, self.settings.draft_min_match, free_row=self._free_row)
 
     def _continue(self, seq, tokens, sampler, output: chat.Output, sampling: Sampling, *, cancelled, started,
                   recomputed, extra, canary: dict | None = None, evaluated: Eval | None = None, drafts=None):
@@ -210,7 +211,7 @@ class TokenLoop:
             **output.metrics(),
             **extra,
         }
-        if drafts is not None:
+        if drafts is not None and drafts.speculation:  # not a padding row's guesses alone
             metrics.update(speculation=sampling.speculation or self.settings.speculation, **look.finish())
         if extra["method"] != "kv_handoff":  # the prompt was computed here: say how long it took
             metrics["prefill_time"] = round(t_gen - started, 6)

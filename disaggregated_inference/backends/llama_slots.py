@@ -88,6 +88,53 @@ class Slots:
         if self._threads is not None:
             self._threads = threads
 
+    @property
+    def _free_row(self) -> bool:
+        """Whether a lone generating sequence's step carries a padding row that a guess may take instead
+        (``_evaluate_invariant``; a verify step of one sequence alone needs no padding, and its rows compute as
+        one-token steps do): deterministic steps on a model without a sliding window, where a row past the
+        window's end may take a cell the window still needs."""
+        return bool(self.settings.deterministic) and not self._fingerprint.get("n_swa") and not self._lone_exact
+
+    def _lone_rows_exact(self, context: int = 96) -> bool:
+        """Whether a generating token alone in its ``llama_decode`` (one row) gets, bit for bit, the logits it
+        gets beside another sequence's token: then ``_evaluate_invariant`` gives it no padding row.
+
+        Without flash attention nothing in the step splits a lone row's work across threads (ggml's flash
+        attention splits a lone query's cells from 512 on), and then what is left is the weights' matmul
+        path for one row against several: the same for SmolLM2's Q4_1/Q8_0 weights (measured: 0.0 beside
+        1, 3 and 7 others at 2 threads and 600 cells), another for the tiny llama's F16 ones (5e-7), so it is
+        measured here, at load, on the loaded model: two adjacent free slots, a ``context``-token prompt
+        in each, one step alone and then the same step beside the other's. A sliding-window model, flash
+        attention or one slot: False without measuring."""
+        import llama_cpp
+        import numpy as np
+
+        if (self.settings.flash_attn or self._fingerprint.get("n_swa") or self.slots < 2
+                or len(self._free) < 2 or self.settings.n_ctx < context + 2):
+            return False
+        text = b"Each region's quarterly revenue, margin and churn are listed with the variance to forecast. "
+        ids = self.model.tokenize(text * (1 + context // 12), add_bos=True, special=False)[:context]
+        mem = llama_cpp.llama_get_memory(self.ctx.ctx)
+        a, _ = self._acquire()
+        b, _ = self._acquire()
+        try:
+            if abs(a - b) != 1:
+                return False
+            for seq, shift in ((a, 0), (b, 1)):
+                self._decode([(Eval(seq, ids[shift:context - 1 + shift], 0, logits=False), context - 1)])
+            nxt = ids[context - 1]
+            alone = Eval(a, [nxt], context - 1)
+            self._decode([(alone, 1)], [])
+            lone = self._row_logits(alone.row).copy()
+            llama_cpp.llama_memory_seq_rm(mem, a, context - 1, -1)
+            pair = [(Eval(a, [nxt], context - 1), 1), (Eval(b, [ids[0]], context - 1), 1)]
+            self._decode(pair, [])
+            return bool(np.array_equal(lone, self._row_logits(pair[0][0].row)))
+        finally:
+            self._release(a)
+            self._release(b)
+
     # -- the batch --------------------------------------------------------------------------------
 
     def evaluate(self, evals: list[Eval]) -> int:
@@ -122,8 +169,8 @@ class Slots:
                 if ev.draft_acceptance is not None:
                     del ev.tokens[1:]
                     ev.draft_acceptance = None
-        elif self._step_cost is not None:
-            cut_drafts(evals, self._step_cost, self._n_ubatch)
+        elif self._step_cost is not None:  # alone with deterministic steps, a guess may take the padding row
+            cut_drafts(evals, self._step_cost, self._n_ubatch, rows=2 if deterministic and self._free_row else 1)
         # singles and speculative steps first, then chunks
         for ev in sorted(evals, key=lambda e: (1 if e.draft_acceptance is not None else len(e.tokens) - e.done, e.seq)):
             left = len(ev.tokens) - ev.done
@@ -177,7 +224,7 @@ class Slots:
         if singles:
             ids = {ev.seq for ev, _ in singles}
             pads = []
-            for ev, _ in singles:
+            for ev, _ in singles if not self._lone_exact else ():  # measured at load: no row needs padding
                 beside = ids | {p[0] for p in pads}
                 if ev.seq - 1 in beside or ev.seq + 1 in beside:
                     continue  # beside another single or a padding row

@@ -62,6 +62,7 @@ def requested_proposer(name: str | None) -> str | None:
 MATCH_PRIORS = (0.35, 0.65, 0.9, 0.94, 0.94)
 PRIOR_WEIGHT = 4.0
 GIVE_UP_AFTER = 8  # drafts in a row with no guess accepted: the sequence stops drafting
+LAST_TOKEN_ODDS = 0.05  # a free row's guess that nothing matched: the last token again (runs of spaces, digits)
 
 
 @dataclass
@@ -74,6 +75,8 @@ class Draft:
 
 class Proposer(abc.ABC):
     """What drafts guesses for one sequence (one instance per request)."""
+
+    speculation = True  # the request asked for speculation: its answer reports the draft figures
 
     @abc.abstractmethod
     def propose(self, history: Sequence[int]) -> Draft | None:
@@ -92,8 +95,10 @@ class PromptLookup(Proposer):
     lookups. The acceptance estimate is per match length and per sequence."""
 
     def __init__(self, max_draft: int = 8, min_match: int = 1, max_ngram: int = len(MATCH_PRIORS),
-                 priors: Sequence[float] = MATCH_PRIORS, weight: float = PRIOR_WEIGHT):
+                 priors: Sequence[float] = MATCH_PRIORS, weight: float = PRIOR_WEIGHT, free_row: bool = False):
         self.max_draft, self.min_match, self.max_ngram = max_draft, min_match, max(max_ngram, min_match)
+        self.free_row = free_row  # a guess of one token whenever nothing else is drafted (see ``propose``)
+        self._free = False  # the last proposal was such a guess
         self._after: list[dict] = [{} for _ in range(self.max_ngram)]  # n - 1 -> {n-gram: index after it}
         self._indexed = 0  # n-grams ending before this index are in ``_after``
         priors = list(priors) + [priors[-1]] * (self.max_ngram - len(priors))
@@ -115,16 +120,29 @@ class PromptLookup(Proposer):
         self._indexed = max(self._indexed, len(history) - 1)
 
     def propose(self, history: Sequence[int]) -> Draft | None:
-        if self.stopped:
-            return None
+        """With ``free_row``, where no match of ``min_match`` tokens drafts (or the sequence stopped drafting),
+        one guess all the same: the token after the latest occurrence of the longest shorter match, else the
+        last token again. It is meant for a row the step evaluates anyway: a lone sequence's padding
+        row under batch-invariant steps (``cut_drafts``' ``rows``)."""
         self._index(history)
         size = len(history)
-        for n in range(min(self.max_ngram, size - 1), self.min_match - 1, -1):
+        self._free = False
+        if not self.stopped:
+            for n in range(min(self.max_ngram, size - 1), self.min_match - 1, -1):
+                start = self._after[n - 1].get(tuple(history[size - n:]))
+                if start is not None:
+                    self._bucket = n - 1
+                    return Draft(list(history[start:start + self.max_draft]), self.acceptance(n))
+        if not self.free_row or not size:
+            return None
+        self._free = True
+        for n in range(min(self.min_match - 1, self.max_ngram, size - 1), 0, -1):
             start = self._after[n - 1].get(tuple(history[size - n:]))
             if start is not None:
                 self._bucket = n - 1
-                return Draft(list(history[start:start + self.max_draft]), self.acceptance(n))
-        return None
+                return Draft([history[start]], self.acceptance(n))
+        self._bucket = None
+        return Draft([history[-1]], LAST_TOKEN_ODDS)
 
     def feedback(self, accepted: int, drafted: int) -> None:
         if self._bucket is None or drafted <= 0:
@@ -132,16 +150,30 @@ class PromptLookup(Proposer):
         self._kept[self._bucket] += accepted
         if accepted < drafted:
             self._missed[self._bucket] += 1
+        if self._free:  # a guess in a row the step had anyway: it neither stops nor resumes the drafting
+            return
         self._failures = 0 if accepted else self._failures + 1
         self.stopped = self._failures >= GIVE_UP_AFTER
 
 
-def proposer(kind: str, max_draft: int = 8, min_match: int = 3) -> Proposer | None:
-    """The proposer named ``kind`` (one of ``PROPOSERS``); None for ``off``."""
+class FreeRowGuess(PromptLookup):
+    """With speculation off, a one-token guess in a lone sequence's padding row only (``proposer``)."""
+
+    speculation = False
+
+    def __init__(self):
+        super().__init__(max_draft=1, min_match=1, free_row=True)
+
+
+def proposer(kind: str, max_draft: int = 8, min_match: int = 3, free_row: bool = False) -> Proposer | None:
+    """The proposer named ``kind`` (one of ``PROPOSERS``); None for ``off``. With ``free_row`` (a step that
+    evaluates a lone sequence's token with a padding row: batch-invariant steps), a proposer of one-token
+    guesses for ``off`` too, and ``ngram`` guesses a token whenever it has no draft: a guess in that row
+    costs nothing, and when it is right the step gives two tokens."""
     if kind == "off":
-        return None
+        return FreeRowGuess() if free_row else None
     if kind == "ngram":
-        return PromptLookup(max_draft=max_draft, min_match=min_match)
+        return PromptLookup(max_draft=max_draft, min_match=min_match, free_row=free_row)
     raise ValueError(f"unknown proposer {kind!r} (known: {', '.join(PROPOSERS)})")
 
 
@@ -210,11 +242,12 @@ def expected_tokens(acceptance: float, guesses: int) -> float:
     return total
 
 
-def cut_drafts(evals: list, cost: StepCost, n_ubatch: int = 512) -> None:
+def cut_drafts(evals: list, cost: StepCost, n_ubatch: int = 512, rows: int = 1) -> None:
     """Cut the drafts of one step (``Eval``\\ s whose ``draft_acceptance`` is set: ``tokens[1:]`` are
     guesses) to the lengths that maximise the step's expected emitted tokens per unit of time, one
     sequence at a time while that gains. ``tokens`` and ``draft_acceptance`` are changed in place (a
-    draft cut to nothing becomes a plain one-token step)."""
+    draft cut to nothing becomes a plain one-token step). ``rows``: the fewest rows a sequence's step
+    evaluates (2: a lone sequence's padding row under batch-invariant steps, which a guess may take)."""
     drafted = [ev for ev in evals if ev.draft_acceptance is not None]
     if not drafted:
         return
@@ -224,7 +257,7 @@ def cut_drafts(evals: list, cost: StepCost, n_ubatch: int = 512) -> None:
     keep = {id(ev): 0 for ev in drafted}
 
     def value(choice: dict) -> float:
-        counts = sorted(plain + [(ev.seq, 1 + choice[id(ev)]) for ev in drafted])
+        counts = sorted(plain + [(ev.seq, max(rows, 1 + choice[id(ev)])) for ev in drafted])
         tokens = emitting + sum(expected_tokens(ev.draft_acceptance, choice[id(ev)]) for ev in drafted)
         return tokens / cost.of(counts, n_ubatch)
 
