@@ -46,12 +46,13 @@ BUILT_IN_TABLE = ("from disaggregated_inference.backends import options, registr
                   "print(options.table({name: settings_class(name) for name in registry.BUILT_IN}), end='')")
 
 
-def test_the_readme_table_is_the_declarations():
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("<!-- model-options")
-    table = readme[readme.index("\n", start) + 1:readme.index("<!-- /model-options -->")]
+def test_the_documented_table_is_the_declarations():
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    start = page.index("<!-- model-options")
+    table = page[page.index("\n", start) + 1:page.index("<!-- /model-options -->")]
     built_in = {name: settings_class(name) for name in registry.BUILT_IN}
-    assert table == options.table(built_in), ("README.md's model options differ from the backends' declarations; "
+    assert table == options.table(built_in), ("docs/configuration.md's model options differ from the backends' "
+                                              "declarations; "
                                               f"paste the output of: python -c \"{BUILT_IN_TABLE}\"")
 
 

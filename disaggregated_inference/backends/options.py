@@ -4,8 +4,8 @@ An engine's settings are a frozen dataclass that extends ``ModelSettings``
 (base.py) with the engine's own options, each a field made with ``option()``;
 the type is the field's annotation. Whatever else knows about options reads
 these declarations: the config's validation (``Option.check``), ``/health``
-(``values``) and the README's table (``table``; tests/test_plugin_engine.py holds
-the two equal and prints the command that writes it).
+(``values``) and the documentation's table in docs/configuration.md (``table``;
+tests/test_plugin_engine.py holds the two equal and prints the command that writes it).
 """
 from __future__ import annotations
 
