@@ -1,0 +1,424 @@
+"""The soak: a local cluster under steady load for a long time, with faults injected one after the other.
+
+``SoakCluster`` starts, on free ports of its own, two prefill and two decode servers per model and a gateway
+(``ops/cluster.LocalCluster``), kept running by the supervisor that restarts what dies (``ops/supervise``).
+Where root and iproute2 are there, the second prefill server of the first model runs behind a link of its
+own (``netns.DataLink``) for the link faults. ``run`` sends each model's requests through the client and
+through the gateway at a steady Poisson rate (the bench's load generator, ``load.Phase``: one phase per model
+and path), injects the faults of the schedule (``faults.Injector``) one every ``fault_every`` seconds after the
+warm-up, samples every server's resources (``ResourceSampler``) and returns what ``soak_figures.build`` makes
+of it all. Everything it started is stopped on every way out (an error, Ctrl-C, SIGTERM or SIGHUP raised as
+``KeyboardInterrupt`` by the script).
+"""
+from __future__ import annotations
+
+import copy
+from collections import Counter
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import psutil
+import requests
+
+from .. import config as cluster_config
+from ..errors import ConfigError
+from .endpoints import ClientEndpoint, HttpEndpoint
+from .faults import KINDS, Fault, Injector
+from .load import LoadShape, Phase
+from .workloads import BenchRequest, Unit, chat_workload
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass
+class SoakOptions:
+    config: object  # a cluster config (path, dict or ClusterConfig): its models, client and server sections
+    duration_s: float = 1800.0
+    rate: float = 0.5  # requests a second, per model and path
+    max_tokens: int = 16
+    faults: tuple = KINDS
+    fault_every_s: float = 60.0
+    warmup_s: float = 60.0  # no fault, and no growth figure, before this
+    settle_s: float = 5.0  # a request ending this long after a window is still counted inside it
+    sample_every_s: float = 5.0
+    stop_s: float = 10.0  # a SIGSTOP's length
+    link_s: float = 10.0  # a link fault's length
+    lease_s: float = 15.0  # the lease of a lease_fill's prefills
+    fill_max: int = 200
+    slow_mbit: float = 100.0
+    grace_s: float = 120.0  # after the load, for the requests in flight
+    startup_timeout_s: float = 600.0
+    use_link: bool = True  # a namespaced prefill server for the link faults, where root and the tools allow
+    log_dir: str | None = None
+    seed: int = 0
+
+
+class SoakCluster:
+    """The soak's servers and gateway; ``config`` (a dict) is the cluster as the client and gateway see it."""
+
+    def __init__(self, base, *, use_link: bool = True, log_dir=None, say=lambda m: None):
+        from . import netns
+
+        self.base = cluster_config.coerce(base)
+        self.say = say
+        self.link, self.link_server, self.link_skipped = None, None, None
+        self.token = None
+        if use_link:
+            self.link_skipped = netns.unavailable()
+        else:
+            self.link_skipped = "the link faults were not asked for (no namespaced prefill server)"
+        self.log_dir = log_dir
+        self.cluster = None
+        self.supervisor = None
+        self._stop = threading.Event()
+        self._supervising: threading.Thread | None = None
+
+    # -- the config -----------------------------------------------------------------------------------
+    def _source(self, link) -> dict:
+        models = {key: copy.deepcopy(entry) for key, entry in self.base.models.items()}
+        data = {"models": models, "client": dict(self.base.client), "server": dict(self.base.server),
+                "gateway": {**self.base.gateway, "host": "127.0.0.1"}}
+        for role in ROLES:
+            data[f"{role}_servers"] = [{"name": f"soak-{role}-{model}-{i + 1}", "host": "127.0.0.1", "port": 1,
+                                        "model": model} for model in models for i in range(2)]
+        if link is not None:
+            first = data["prefill_servers"][1]  # the first model's second prefill server: behind the link
+            first.update(host=link.ctl, port=link_port(), data_url=f"http://{link.data}:{link_port()}")
+            # it listens beyond loopback (in its namespace): every server and caller then needs the token
+            self.token = self.base.server.get("api_token") or secrets.token_urlsafe(16)
+            data["server"]["api_token"] = data["client"]["api_token"] = self.token
+        return data
+
+    @property
+    def config(self) -> dict:
+        """The cluster with the ports bound, the gateway's included (what the client and the gateway get)."""
+        data = copy.deepcopy(self._data)
+        ports = {p.entry.name: p.entry.port for p in self.cluster.processes}
+        for role in ROLES:
+            for s in data[f"{role}_servers"]:
+                s["port"] = ports.get(s["name"], s["port"])
+        if self.cluster.gateway is not None:
+            data["gateway"].update(host=self.cluster.gateway.entry.host, port=self.cluster.gateway.entry.port)
+        return data
+
+    # -- starting and stopping ------------------------------------------------------------------------
+    def start(self, timeout: float = 600.0) -> "SoakCluster":
+        from ..ops.cluster import LocalCluster
+        from ..ops.supervise import Supervisor
+        from . import netns
+
+        try:
+            if self.link_skipped is None:
+                try:
+                    self.link = netns.DataLink().open()
+                except netns.LinkUnavailable as exc:
+                    self.link_skipped, self.link = str(exc), None
+            self._data = self._source(self.link)
+            loopback = [s["name"] for r in ROLES for s in self._data[f"{r}_servers"] if s["host"] == "127.0.0.1"]
+            self.cluster = LocalCluster(self._data, names=loopback, free_ports=True, log_dir=self.log_dir)
+            self.say(f"starting {len(self.cluster.entries) + (self.link is not None)} servers and a gateway "
+                     f"(logs in {self.cluster.log_dir})")
+            self.cluster.start()
+            if self.link is not None:
+                self.link_server = self._start_namespaced()
+            self._start_gateway()
+            self.cluster.wait_healthy(timeout=timeout)
+            self.supervisor = Supervisor(self.cluster, self.say, first_delay=1.0, max_delay=5.0, stable_after=30.0)
+            self._supervising = threading.Thread(target=self.supervisor.run, args=(self._stop, 0.25), daemon=True,
+                                                 name="soak-supervisor")
+            self._supervising.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_namespaced(self):
+        from ..server.settings import from_cluster
+        from .netns import NamespacedProcess
+
+        cfg = cluster_config.coerce(self._data)
+        entry = cfg.prefill_servers[1]
+        peers = [replace(e, port=self._port_of(e)) for e in cfg.prefill_servers]
+        proc = NamespacedProcess(entry, from_cluster(cfg, entry.name, prefill_entries=peers), self.link,
+                                 self.cluster.log_dir / f"{entry.name}.log")
+        proc.start(self.cluster.env)
+        self.cluster.processes.append(proc)
+        return proc
+
+    def _port_of(self, entry) -> int:
+        return next((p.entry.port for p in self.cluster.processes if p.entry.name == entry.name), entry.port)
+
+    def _start_gateway(self):
+        return self.cluster.start_gateway()  # in front of every server started, the namespaced one included
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._supervising is not None:
+            self._supervising.join(timeout=5)
+        try:
+            if self.cluster is not None:
+                for proc in self.cluster.processes + ([self.cluster.gateway] if self.cluster.gateway else []):
+                    _continue(proc)  # a stopped process cannot stop gracefully
+                self.cluster.stop()
+        finally:
+            if self.link is not None:
+                self.link.close()
+
+    # -- what the faults act on -----------------------------------------------------------------------
+    @property
+    def gateway(self):
+        return self.cluster.gateway
+
+    def pick(self, role: str, occurrence: int):
+        """The loopback server of ``role`` a fault's ``occurrence`` acts on: the models in turn, the first
+        server of each (the namespaced one is the link faults')."""
+        models = list(self.base.models)
+        model = models[occurrence % len(models)]
+        candidates = [p for p in self.cluster.processes
+                      if p.entry.role == role and p.entry.model == model and p is not self.link_server]
+        return candidates[0]
+
+    def processes(self) -> list:
+        return self.cluster.processes + [self.cluster.gateway]
+
+
+def link_port() -> int:
+    from .netns import PORT
+
+    return PORT
+
+
+def _continue(proc) -> None:
+    import os
+    import signal
+
+    if proc.proc is not None and proc.proc.poll() is None:
+        try:
+            os.killpg(proc.proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+class ResourceSampler:
+    """Every ``every`` seconds, each server's (and the gateway's) RSS, open files and threads, summed over its
+    process group (gunicorn's master and worker: ``/proc`` through psutil), and a prefill server's leases held
+    (its ``/health``); with the number of requests finished by then (``finished()``)."""
+
+    def __init__(self, cluster: SoakCluster, every: float, finished, session: requests.Session):
+        self.cluster, self.every, self.finished, self.session = cluster, every, finished, session
+        self.rows: list[dict] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> None:
+        now, done = time.perf_counter(), self.finished()
+        for proc in self.cluster.processes():
+            row = {"t": now, "server": proc.entry.name, "role": proc.entry.role, "requests_done": done,
+                   "pid": None, "rss_bytes": None, "open_files": None, "threads": None, "leases": None}
+            if proc.proc is not None and proc.proc.poll() is None:
+                row.update(pid=proc.proc.pid, **_group_resources(proc.proc.pid))
+            if proc.entry.role == "prefill":
+                try:
+                    row["leases"] = int(self.session.get(proc.url + "/health", timeout=1).json()["leases"]["held"])
+                except (requests.RequestException, ValueError, KeyError, TypeError):
+                    pass
+            self.rows.append(row)
+
+    def start(self) -> None:
+        self.sample()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="soak-sampler")
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every):
+            self.sample()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+
+def _group_resources(pid: int) -> dict:
+    out = {"rss_bytes": 0, "open_files": 0, "threads": 0}
+    try:
+        top = psutil.Process(pid)
+        procs = [top] + top.children(recursive=True)
+    except psutil.Error:
+        return {}
+    for p in procs:
+        try:
+            with p.oneshot():
+                if p.name() in ("ip",):  # the netns launcher's exec: the server itself replaces it
+                    pass
+                out["rss_bytes"] += p.memory_info().rss
+                out["open_files"] += p.num_fds()
+                out["threads"] += p.num_threads()
+        except psutil.Error:
+            continue
+    return out
+
+
+def units_for(config, model: str, max_tokens: int, seed: int) -> list[Unit]:
+    """The chat workload's short prompts for one model, each one's seed its own; the phase cycles through them
+    (a request's ``index`` is made unique by the phase's count)."""
+    prompts = [u.requests[0].kwargs["prompt"] for u in chat_workload(config, max_tokens, seed).units]
+    prompts = list(dict.fromkeys(prompts))
+    return [Unit((BenchRequest(i, model, {"model": model, "prompt": f"{p}", "max_tokens": max_tokens,
+                                          "temperature": 0.0, "seed": seed + i}, source="soak"),), f"{model} {i}")
+            for i, p in enumerate(prompts)]
+
+
+def _cycled(units: list[Unit]):
+    while True:
+        yield from units
+
+
+@dataclass
+class SoakRun:
+    """What ``run`` gathered; ``soak_figures.build`` turns it into the report."""
+
+    options: SoakOptions
+    started_wall: float
+    origin: float  # perf_counter at the load's start
+    phases: list = field(default_factory=list)
+    faults: list = field(default_factory=list)
+    samples: list = field(default_factory=list)
+    leases_at_end: dict = field(default_factory=dict)
+    link_skipped: str | None = None
+    interrupted: str | None = None
+    restarts: dict = field(default_factory=dict)
+    ended: float = 0.0
+    outcomes_recorded: Counter = field(default_factory=Counter)  # id(sample) -> outcomes recorded for it
+
+
+def schedule(options: SoakOptions) -> list[tuple[float, str]]:
+    """(seconds after the load's start, fault kind): one every ``fault_every_s`` after the warm-up, the kinds
+    in turn, the last one starting early enough to end (and settle) before the load does."""
+    out, t, i = [], options.warmup_s, 0
+    room = options.stop_s + options.link_s + options.lease_s + options.settle_s
+    while options.faults and t + room <= options.duration_s:
+        out.append((t, options.faults[i % len(options.faults)]))
+        t += options.fault_every_s
+        i += 1
+    return out
+
+
+def run(options: SoakOptions, say) -> SoakRun:
+    if not options.faults:
+        say("no fault asked for: a steady run")
+    unknown = [k for k in options.faults if k not in KINDS]
+    if unknown:
+        raise ConfigError(f"unknown fault {unknown[0]!r}: one of {', '.join(KINDS)}", field="--faults")
+    cluster = SoakCluster(options.config, use_link=options.use_link, log_dir=options.log_dir, say=say)
+    cluster.start(options.startup_timeout_s)
+    result = SoakRun(options, time.time(), time.perf_counter(), link_skipped=cluster.link_skipped)
+    endpoints, injector, sampler = [], None, None
+    stop = threading.Event()
+    try:
+        cfg = cluster.config
+        client = ClientEndpoint(cfg)
+        gateway = HttpEndpoint("gateway", f"http://127.0.0.1:{cfg['gateway']['port']}", "openai", {},
+                               float(cfg["client"].get("decode_timeout", 180.0)), role="gateway")
+        if cluster.token:
+            gateway.session.headers["Authorization"] = f"Bearer {cluster.token}"
+        endpoints = [client, gateway]
+        seen, seen_lock = result.outcomes_recorded, threading.Lock()
+
+        def recorded(sample) -> None:  # every outcome the load records, counted per request sent
+            with seen_lock:
+                seen[id(sample)] += 1
+
+        phases = []
+        for model in cfg["models"]:
+            units = units_for(cluster.base, model, options.max_tokens, options.seed)
+            for path, endpoint in (("client", client), ("gateway", gateway)):
+                phases.append(Phase(endpoint, _cycled(units), LoadShape(rate=options.rate, duration_s=options.duration_s),
+                                    side=path, stage=model, phase=0, seed=options.seed, grace_s=options.grace_s,
+                                    stop=stop, on_sample=recorded))
+        finished = lambda: sum(1 for p in phases for s in list(p.result.samples) if s.done)  # noqa: E731
+        sampler = ResourceSampler(cluster, options.sample_every_s, finished, injector_session(cluster))
+        injector = Injector(cluster, stop_s=options.stop_s, link_s=options.link_s, lease_s=options.lease_s,
+                            fill_max=options.fill_max, slow_mbit=options.slow_mbit,
+                            heal_timeout=options.startup_timeout_s, say=say)
+        result.origin = time.perf_counter()
+        sampler.start()
+        runners = [threading.Thread(target=p.run, daemon=True, name=f"soak-{p.side}-{p.stage}") for p in phases]
+        for t in runners:
+            t.start()
+        result.phases = [p.result for p in phases]
+        _inject_all(options, injector, result, stop, say, phases)
+        for t in runners:
+            while t.is_alive():
+                t.join(timeout=0.5)
+        result.ended = time.perf_counter()
+        result.leases_at_end = _leases_at_end(cluster, sampler, result, options)
+    except KeyboardInterrupt:
+        result.interrupted = "interrupted (Ctrl-C or a stop signal)"
+        stop.set()
+    finally:
+        stop.set()
+        if sampler is not None:
+            sampler.stop()
+            result.samples = sampler.rows
+        if cluster.supervisor is not None:
+            result.restarts = dict(cluster.supervisor.restarts)
+        for endpoint in endpoints:
+            endpoint.close()
+        if injector is not None:
+            injector.close()
+        say("stopping the soak cluster...")
+        cluster.stop()
+    result.ended = result.ended or time.perf_counter()
+    return result
+
+
+def injector_session(cluster: SoakCluster) -> requests.Session:
+    session = requests.Session()
+    if cluster.token:
+        session.headers["Authorization"] = f"Bearer {cluster.token}"
+    return session
+
+
+def _inject_all(options: SoakOptions, injector: Injector, result: SoakRun, stop, say, phases) -> None:
+    started = result.origin
+    for n, (at, kind) in enumerate(schedule(options)):
+        while time.perf_counter() - started < at:
+            if stop.is_set():
+                return
+            time.sleep(0.1)
+        fault = injector.inject(kind, occurrence=sum(1 for f in result.faults if f.kind == kind))
+        result.faults.append(fault)
+        if fault.skipped:
+            say(f"fault {kind} skipped: {fault.skipped}")
+        else:
+            done = sum(1 for p in phases for s in list(p.result.samples) if s.done)
+            say(f"fault {kind} on {fault.target}: {fault.end - fault.start:.1f} s; {done} requests finished so far")
+
+
+def _leases_at_end(cluster: SoakCluster, sampler: ResourceSampler, result: SoakRun, options: SoakOptions) -> dict:
+    """Each prefill server's leases once the load has drained, after the last lease_fill's leases have had
+    their time to run out (the fills' own, not the load's)."""
+    fills = [f.start for f in result.faults if f.kind == "lease_fill" and f.start is not None]
+    if fills:
+        wait = max(fills) + options.lease_s + 2.0 - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+    time.sleep(1.5)  # the sweeper runs every second
+    sampler.sample()
+    rows = sampler.rows[-len(cluster.processes()):]
+    return {r["server"]: r["leases"] for r in rows if r["role"] == "prefill"}
+
+
+def check_options(options: SoakOptions) -> None:
+    for name in ("duration_s", "rate", "fault_every_s", "sample_every_s", "stop_s", "link_s", "lease_s",
+                 "slow_mbit"):
+        value = getattr(options, name)
+        if not value > 0:
+            raise ConfigError(f"--{name.removesuffix('_s').replace('_', '-')} must be positive, got {value!r}",
+                              field=f"--{name.removesuffix('_s').replace('_', '-')}")
+    if options.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be at least 1, got {options.max_tokens}", field="--max-tokens")
