@@ -38,14 +38,16 @@ from disaggregated_inference.bench.faults import KINDS  # noqa: E402
 from disaggregated_inference.errors import ConfigError  # noqa: E402
 
 
-def soak_config(path: str | None, tiny: bool) -> dict:
+def soak_config(path: str | None, tiny: bool, lease_limit_mib: float = 64.0) -> dict:
     """The cluster's models and settings (from ``--config``, else the embedded config), with a client that notices
-    a dead or silent server within seconds; ``tiny``: both models generated tiny llamas, one compute thread each."""
+    a dead or silent server within seconds and a prefill server's lease store ``lease_limit_mib`` large (what a
+    lease fill fills); ``tiny``: both models generated tiny llamas, one compute thread each."""
     source = Path(path) if path else ROOT / "config_current.json"
     data = json.loads(source.read_text())
     data["client"] = {**data.get("client", {}), "health_check_interval": 1, "failures_before_down": 1,
                       "connect_timeout": 1, "progress_timeout": 3.0}
-    data["server"] = {**data.get("server", {}), "openmp_wait": "sleep"}
+    data["server"] = {**data.get("server", {}), "openmp_wait": "sleep",
+                      "max_lease_bytes": max(1, int(lease_limit_mib * (1 << 20)))}
     if tiny:
         from dataclasses import replace
 
@@ -88,6 +90,9 @@ def main(argv=None) -> int:
     parser.add_argument("--stop-seconds", type=float, default=10.0, help="how long a SIGSTOP lasts")
     parser.add_argument("--link-seconds", type=float, default=10.0, help="how long a link fault lasts")
     parser.add_argument("--lease-seconds", type=float, default=15.0, help="the lease of a lease fill's prefills")
+    parser.add_argument("--lease-limit-mib", type=float, default=64.0,
+                        help="KV a prefill server holds under leases at most (server.max_lease_bytes): a lease fill "
+                             "fills it")
     parser.add_argument("--slow-mbit", type=float, default=100.0, help="the slowed link's rate")
     parser.add_argument("--no-link", action="store_true", help="no namespaced prefill server: the link faults skip")
     parser.add_argument("--png", default="soak.png", help="where the resources chart goes ('' for none)")
@@ -95,20 +100,25 @@ def main(argv=None) -> int:
     quick.add_argument(parser)
     args = quick.apply(parser, parser.parse_args(argv), duration=45.0, rate=1.0, max_tokens=8, fault_every=6.0,
                        warmup=4.0, settle=3.0, sample_every=1.0, stop_seconds=3.0, link_seconds=2.0,
-                       lease_seconds=4.0)
+                       lease_seconds=4.0, lease_limit_mib=1.0)
     try:
         options = soak.SoakOptions(
-            config=cluster_config.coerce(soak_config(args.config, args.quick)), duration_s=args.duration,
+            config=cluster_config.coerce(soak_config(args.config, args.quick, args.lease_limit_mib)), duration_s=args.duration,
             rate=args.rate, max_tokens=args.max_tokens, faults=args.faults, fault_every_s=args.fault_every,
             warmup_s=args.warmup, settle_s=args.settle, sample_every_s=args.sample_every, stop_s=args.stop_seconds,
             link_s=args.link_seconds, lease_s=args.lease_seconds, slow_mbit=args.slow_mbit,
-            use_link=not args.no_link, grace_s=30.0 if args.quick else 120.0, fill_max=50 if args.quick else 200)
+            use_link=not args.no_link, grace_s=30.0 if args.quick else 120.0, fill_max=50 if args.quick else 200,
+            progress_every_s=10.0 if args.quick else 30.0)
         soak.check_options(options)
     except (ConfigError, OSError) as exc:
         parser.error(getattr(exc, "message", None) or str(exc))
     for sig in (signal.SIGTERM, signal.SIGHUP):  # the cluster and the namespace go on these too
         signal.signal(sig, _stop)
-    run = soak.run(options, quick.say)
+    try:
+        run = soak.run(options, quick.say)
+    except KeyboardInterrupt:  # before the load began: the cluster is already stopped
+        quick.say("interrupted while the cluster started: nothing measured")
+        return 130
     report = soak_figures.build(run)
     report.update(quick=args.quick, command=" ".join(["benchmarks/soak.py", *(argv if argv is not None else sys.argv[1:])]),
                   schedule=[{"at_s": at, "kind": kind} for at, kind in soak.schedule(options)])

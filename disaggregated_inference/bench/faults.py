@@ -19,7 +19,7 @@ Kinds:
 - ``gateway_restart``: the gateway stopped gracefully (SIGTERM) under load and started again by the
   supervisor; the window ends when it answers ``/health``;
 - ``link_cut``, ``link_slow``: the prefill→decode data path of the cluster's namespaced prefill server
-  (``link.DataLink``) cut (100 % loss) while a KV transfer is in flight on it, or slowed to
+  (``netns.DataLink``) cut (both ends of its veth pair down) while a KV transfer is in flight on it, or slowed to
   ``slow_mbit``; each restored after ``link_s``.
 """
 from __future__ import annotations
@@ -200,6 +200,14 @@ class Injector:
             fault.skipped = self.cluster.link_skipped or "no namespaced link in this cluster"
             return fault
         self.say(f"fault {kind} on {fault.target}")
+        try:
+            self._link_fault(link, kind, fault)
+        except Exception as exc:  # noqa: BLE001 - a tool that fails here (tc without tbf): skipped, said why
+            link.restore()
+            fault.skipped = f"{type(exc).__name__}: {exc}"
+        return fault
+
+    def _link_fault(self, link, kind: str, fault: Fault) -> None:
         if kind == "link_slow":
             fault.start = time.perf_counter()
             link.slow(self.slow_mbit)
@@ -223,7 +231,6 @@ class Injector:
         finally:
             link.restore()
             fault.end = time.perf_counter()
-        return fault
 
     def close(self) -> None:
         self.session.close()

@@ -6,8 +6,8 @@ runs in a namespace of its own (``ip netns exec``), listening on both of its add
 - the *control* pair (``10.214.N.0/30``): the client and the gateway send it ``/prefill`` here;
 - the *data* pair (``10.214.N.4/30``): its ``data_url``, where the decode servers pull the KV bundles.
 
-So cutting (``tc ... netem loss 100%``) or slowing (``tbf``) the data pair, on both of its ends, cuts or
-slows the KV transfers alone, the way ``benchmarks/link.py`` shapes its veth (its measurements in
+So cutting (both ends of the data pair down) or slowing it (a ``tbf`` on both ends) cuts or slows the KV
+transfers alone, the way ``benchmarks/link.py`` shapes its veth (its measurements in
 ``../shared/reference/link-emulation.md``). It needs root and ``ip``/``tc`` (iproute2); ``unavailable()``
 says why not. Names carry this process's id; namespaces a killed run left behind are removed first; ``close``
 removes the namespace (and with it both pairs) on every way out. Nothing outside this machine is touched.
@@ -99,7 +99,11 @@ class DataLink:
         _run("tc", "-n", self.ns, "qdisc", "replace", "dev", ns_dev, "root", *qdisc)
 
     def cut(self) -> None:
-        self._both("netem", "loss", "100%")
+        """Both ends of the data pair down: nothing crosses, and the connections on it stall (no reset), as
+        with a pulled cable (``netem loss 100%`` would need sch_netem, which not every kernel has)."""
+        host_dev, ns_dev = self.devs["data"]
+        _run("ip", "-n", self.ns, "link", "set", ns_dev, "down")
+        _run("ip", "link", "set", host_dev, "down")
         self.state = "cut"
 
     def slow(self, mbit: float) -> None:
@@ -109,6 +113,8 @@ class DataLink:
 
     def restore(self) -> None:
         host_dev, ns_dev = self.devs["data"]
+        subprocess.run(["ip", "link", "set", host_dev, "up"], capture_output=True)
+        subprocess.run(["ip", "-n", self.ns, "link", "set", ns_dev, "up"], capture_output=True)
         subprocess.run(["tc", "qdisc", "del", "dev", host_dev, "root"], capture_output=True)
         subprocess.run(["tc", "-n", self.ns, "qdisc", "del", "dev", ns_dev, "root"], capture_output=True)
         self.state = "up"

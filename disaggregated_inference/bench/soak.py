@@ -51,6 +51,7 @@ class SoakOptions:
     slow_mbit: float = 100.0
     grace_s: float = 120.0  # after the load, for the requests in flight
     startup_timeout_s: float = 600.0
+    progress_every_s: float = 30.0
     use_link: bool = True  # a namespaced prefill server for the link faults, where root and the tools allow
     log_dir: str | None = None
     seed: int = 0
@@ -346,6 +347,8 @@ def run(options: SoakOptions, say) -> SoakRun:
                             heal_timeout=options.startup_timeout_s, say=say)
         result.origin = time.perf_counter()
         sampler.start()
+        threading.Thread(target=_progress, args=(phases, result, stop, say, options.progress_every_s), daemon=True,
+                         name="soak-progress").start()
         runners = [threading.Thread(target=p.run, daemon=True, name=f"soak-{p.side}-{p.stage}") for p in phases]
         for t in runners:
             t.start()
@@ -354,6 +357,7 @@ def run(options: SoakOptions, say) -> SoakRun:
         for t in runners:
             while t.is_alive():
                 t.join(timeout=0.5)
+        stop.set()  # the progress lines end with the load
         result.ended = time.perf_counter()
         result.leases_at_end = _leases_at_end(cluster, sampler, result, options)
     except KeyboardInterrupt:
@@ -376,6 +380,15 @@ def run(options: SoakOptions, say) -> SoakRun:
     return result
 
 
+def _progress(phases, result: SoakRun, stop: threading.Event, say, every: float) -> None:
+    while not stop.wait(every):
+        samples = [s for p in phases for s in list(p.result.samples)]
+        done = [s for s in samples if s.done]
+        ok = sum(1 for s in done if s.ok)
+        say(f"  {time.perf_counter() - result.origin:.0f} s: {len(samples)} sent, {ok} answered, "
+            f"{len(done) - ok} failed, {len(samples) - len(done)} in flight; {len(result.faults)} faults so far")
+
+
 def injector_session(cluster: SoakCluster) -> requests.Session:
     session = requests.Session()
     if cluster.token:
@@ -391,6 +404,8 @@ def _inject_all(options: SoakOptions, injector: Injector, result: SoakRun, stop,
                 return
             time.sleep(0.1)
         fault = injector.inject(kind, occurrence=sum(1 for f in result.faults if f.kind == kind))
+        if fault.skipped and fault.start is not None:  # it failed half-way: what it did is undone, no window
+            fault.start = fault.end = None
         result.faults.append(fault)
         if fault.skipped:
             say(f"fault {kind} skipped: {fault.skipped}")

@@ -228,7 +228,7 @@ def draw(report: dict, path) -> str | None:
             top.annotate(f["kind"], (f["start_s"], 1.0), xycoords=("data", "axes fraction"), rotation=60,
                          fontsize=7, va="bottom")
     axes[-1].set_xlabel("seconds from the start of the load")
-    axes[0].legend(fontsize=6, ncol=3, loc="upper left")
+    axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     r = report["requests"]
     fig.suptitle(f"Soak: {r['sent']} sent, {r['answered']} answered, {r['failed']} failed, {r['lost']} lost "
                  f"(fault windows shaded)", y=1.02)
