@@ -376,6 +376,29 @@ def test_link():
                         r["whole_transfer_s"], 6)
 
 
+@pytest.mark.slow
+def test_soak(tmp_path):
+    # a short soak on tiny models, one SIGSTOP, no namespaced link (tests/test_soak.py runs the link faults)
+    png = tmp_path / "soak.png"
+    out = run_quick("soak.py", "--duration", "16", "--faults", "stop_prefill", "--no-link", "--png", str(png))
+    r, rows = out["requests"], out["outcomes"]
+    assert out["quick"] is True and out["complete"] is True and r["accounted"]
+    assert r["sent"] == len(rows) == r["answered"] + r["failed"] + r["lost"]
+    for kind in ("answered", "failed", "lost"):
+        assert r[kind] == sum(1 for o in rows if o["outcome"] == kind)
+    for path, counts in out["by_path"].items():
+        assert counts["sent"] == sum(1 for o in rows if o["path"] == path)
+    inside, outside = out["error_rate"]["inside_fault_windows"], out["error_rate"]["outside_fault_windows"]
+    assert inside["requests"] + outside["requests"] == r["sent"]
+    assert inside["requests"] == sum(o["in_fault_window"] for o in rows)
+    (fault,) = out["faults"]
+    assert fault["kind"] == "stop_prefill" and fault["duration_s"] == pytest.approx(3.0, abs=0.5)
+    assert out["failover_s"]["stop_prefill"]["max"] == max(v for v in fault["failover_s"].values() if v is not None)
+    assert out["link"]["used"] is False and out["leases_held_at_end"] == 0
+    assert out["png"] == str(png) and png.stat().st_size > 0
+    assert {row["server"] for row in out["resources"]} >= {"gateway"} and len(out["growth_per_1000_requests"]) == 9
+
+
 def test_every_benchmark_is_run_here():
     """A script added under benchmarks/ without a test above would break unnoticed."""
     scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - HELPERS

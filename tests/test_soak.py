@@ -155,7 +155,7 @@ def _count_sends(monkeypatch) -> Counter:
 @pytest.mark.slow
 def test_soak_accounts_for_every_request_it_sent(monkeypatch):
     sent = _count_sends(monkeypatch)
-    run = soak.run(_options(("kill_prefill", "stop_decode"), 22.0, use_link=False), say=lambda m: None)
+    run = soak.run(_options(("kill_prefill", "stop_decode"), 24.0, use_link=False), say=lambda m: None)
     report = soak_figures.build(run)
     r = report["requests"]
     assert report["complete"] and r["sent"] == sum(sent.values()) > 20
@@ -181,7 +181,7 @@ def test_link_faults_on_the_namespaced_data_path(monkeypatch, tmp_path):
     if why:
         pytest.skip(why)
     sent = _count_sends(monkeypatch)
-    run = soak.run(_options(("link_cut", "link_slow"), 20.0, use_link=True), say=lambda m: None)
+    run = soak.run(_options(("link_cut", "link_slow"), 24.0, use_link=True), say=lambda m: None)
     report = soak_figures.build(run)
     assert report["link"] == {"used": True, "skipped": None}
     cut, slow = report["faults"]
