@@ -1,7 +1,8 @@
 """Benchmark: an hour's worth of faults with nothing lost: a soak of the whole cluster.
 
 A local cluster of its own, on free ports (two prefill and two decode servers per model, and the gateway),
-takes a steady load of both models through the client and through the gateway for ``--duration`` seconds
+takes a steady load of both models through the client and through the gateway (its OpenAI and its Ollama
+API, streamed) for ``--duration`` seconds
 (default 1800), while faults are injected one at a time, every ``--fault-every`` seconds after the warm-up,
 the kinds in turn: SIGKILL of a prefill server, a decode server and the gateway (each restarted by the
 cluster's supervisor); SIGSTOP of each (SIGCONT after ``--stop-seconds``); the prefill→decode link cut in the
@@ -46,6 +47,9 @@ def soak_config(path: str | None, tiny: bool, lease_limit_mib: float = 64.0) -> 
     data = json.loads(source.read_text())
     data["client"] = {**data.get("client", {}), "health_check_interval": 1, "failures_before_down": 1,
                       "connect_timeout": 1, "progress_timeout": 3.0}
+    for entry in data["models"].values():  # the same steps whatever the batch: an answer moved between
+        if entry.get("backend", "llama_cpp") == "llama_cpp":  # decode servers can go on with the same text
+            entry.setdefault("deterministic", True)
     data["server"] = {**data.get("server", {}), "openmp_wait": "sleep",
                       "max_lease_bytes": max(1, int(lease_limit_mib * (1 << 20)))}
     if tiny:
@@ -78,7 +82,9 @@ def main(argv=None) -> int:
     parser.add_argument("--config", help="cluster config whose models and settings the soak runs "
                                          "(default: the embedded one); its servers are the soak's own")
     parser.add_argument("--duration", type=float, default=1800.0, help="seconds of load")
-    parser.add_argument("--rate", type=float, default=0.5, help="requests a second per model and path (Poisson)")
+    parser.add_argument("--rate", type=float, default=0.5,
+                        help="requests a second per model and path (Poisson; three paths: client, gateway's OpenAI "
+                             "and Ollama APIs)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens each answer may take")
     parser.add_argument("--faults", type=parse_faults, default=KINDS, metavar="KIND,...",
                         help=f"the fault kinds, in turn (default all: {','.join(KINDS)}; 'none': no fault)")

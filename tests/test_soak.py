@@ -140,12 +140,13 @@ def _count_sends(monkeypatch) -> Counter:
     from disaggregated_inference.bench import endpoints
 
     sent, lock = Counter(), threading.Lock()
-    for cls, path in ((endpoints.ClientEndpoint, "client"), (endpoints.HttpEndpoint, "gateway")):
+    for cls in (endpoints.ClientEndpoint, endpoints.HttpEndpoint):
         original = cls.stream
 
-        def stream(self, request, _original=original, _path=path):
+        def stream(self, request, _original=original):
+            path = "client" if isinstance(self, endpoints.ClientEndpoint) else self.name  # gateway, gateway-ollama
             with lock:
-                sent[(_path, request.model)] += 1
+                sent[(path, request.model)] += 1
             return _original(self, request)
 
         monkeypatch.setattr(cls, "stream", stream)
@@ -159,6 +160,7 @@ def test_soak_accounts_for_every_request_it_sent(monkeypatch):
     report = soak_figures.build(run)
     r = report["requests"]
     assert report["complete"] and r["sent"] == sum(sent.values()) > 20
+    assert {path for path, _ in sent} == {"client", "gateway", "gateway-ollama"}
     for (path, model), n in sent.items():
         assert sum(1 for o in report["outcomes"] if o["path"] == path and o["model"] == model) == n
     assert r["sent"] == r["answered"] + r["failed"] + r["lost"]

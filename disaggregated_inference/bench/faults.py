@@ -33,7 +33,8 @@ import requests
 
 KINDS = ("kill_prefill", "kill_decode", "kill_gateway", "stop_prefill", "stop_decode", "stop_gateway",
          "lease_fill", "gateway_restart", "link_cut", "link_slow")
-PATHS = ("client", "gateway")
+PATHS = ("client", "gateway", "gateway-ollama")  # the load's: soak.py
+GATEWAY_PATHS = PATHS[1:]
 CRAWL_MBIT = 1.0  # the link_cut's wait for a transfer in flight
 
 
@@ -103,7 +104,7 @@ class Injector:
             fault = Fault(kind, proc.entry.name, proc.entry.model)
         elif role == "gateway" or kind == "gateway_restart":
             proc = self.cluster.gateway
-            fault = Fault(kind, "gateway", None, ("gateway",))
+            fault = Fault(kind, "gateway", None, GATEWAY_PATHS)
         elif kind == "lease_fill":
             proc = self.cluster.pick("prefill", occurrence)
             fault = Fault(kind, proc.entry.name, proc.entry.model)

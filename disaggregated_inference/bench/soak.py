@@ -3,8 +3,8 @@
 ``SoakCluster`` starts, on free ports of its own, two prefill and two decode servers per model and a gateway
 (``ops/cluster.LocalCluster``), kept running by the supervisor that restarts what dies (``ops/supervise``).
 Where root and iproute2 are there, the second prefill server of the first model runs behind a link of its
-own (``netns.DataLink``) for the link faults. ``run`` sends each model's requests through the client and
-through the gateway at a steady Poisson rate (the bench's load generator, ``load.Phase``: one phase per model
+own (``netns.DataLink``) for the link faults. ``run`` sends each model's requests on three paths (``faults.PATHS``:
+the client's stream, the gateway's OpenAI SSE stream and its Ollama NDJSON stream) at a steady Poisson rate (the bench's load generator, ``load.Phase``: one phase per model
 and path), injects the faults of the schedule (``faults.Injector``) one every ``fault_every`` seconds after the
 warm-up, samples every server's resources (``ResourceSampler``) and returns what ``soak_figures.build`` makes
 of it all. Everything it started is stopped on every way out (an error, Ctrl-C, SIGTERM or SIGHUP raised as
@@ -26,7 +26,7 @@ import requests
 from .. import config as cluster_config
 from ..errors import ConfigError
 from .endpoints import ClientEndpoint, HttpEndpoint
-from .faults import KINDS, Fault, Injector
+from .faults import KINDS, PATHS, Injector
 from .load import LoadShape, Phase
 from .workloads import BenchRequest, Unit, chat_workload
 
@@ -37,7 +37,7 @@ ROLES = ("prefill", "decode")
 class SoakOptions:
     config: object  # a cluster config (path, dict or ClusterConfig): its models, client and server sections
     duration_s: float = 1800.0
-    rate: float = 0.5  # requests a second, per model and path
+    rate: float = 0.5  # requests a second, per model and path (three paths)
     max_tokens: int = 16
     faults: tuple = KINDS
     fault_every_s: float = 60.0
@@ -324,9 +324,11 @@ def run(options: SoakOptions, say) -> SoakRun:
         client = ClientEndpoint(cfg)
         gateway = HttpEndpoint("gateway", f"http://127.0.0.1:{cfg['gateway']['port']}", "openai", {},
                                float(cfg["client"].get("decode_timeout", 180.0)), role="gateway")
+        ollama = HttpEndpoint("gateway-ollama", gateway.url, "ollama", {}, gateway.timeout, role="gateway")
         if cluster.token:
-            gateway.session.headers["Authorization"] = f"Bearer {cluster.token}"
-        endpoints = [client, gateway]
+            for http in (gateway, ollama):
+                http.session.headers["Authorization"] = f"Bearer {cluster.token}"
+        endpoints = [client, gateway, ollama]
         seen, seen_lock = result.outcomes_recorded, threading.Lock()
 
         def recorded(sample) -> None:  # every outcome the load records, counted per request sent
@@ -336,7 +338,7 @@ def run(options: SoakOptions, say) -> SoakRun:
         phases = []
         for model in cfg["models"]:
             units = units_for(cluster.base, model, options.max_tokens, options.seed)
-            for path, endpoint in (("client", client), ("gateway", gateway)):
+            for path, endpoint in zip(PATHS, endpoints):
                 phases.append(Phase(endpoint, _cycled(units), LoadShape(rate=options.rate, duration_s=options.duration_s),
                                     side=path, stage=model, phase=0, seed=options.seed, grace_s=options.grace_s,
                                     stop=stop, on_sample=recorded))

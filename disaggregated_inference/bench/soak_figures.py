@@ -3,7 +3,7 @@
 Definitions (times on the client's clock, ``time.perf_counter``):
 
 - **sent**: requests the load sent (each model, each path: ``client`` is ``DisaggregatedClient.stream``,
-  ``gateway`` the gateway's OpenAI-API stream); **answered**: their stream ended with its final line (an
+  ``gateway`` the gateway's OpenAI-API stream, ``gateway-ollama`` its Ollama-API stream); **answered**: their stream ended with its final line (an
   empty answer, the model's end-of-text first, counts: ``answered_empty``); **failed**: the caller got an
   error (its text is kept, by path); **lost**: the caller got neither: a request still unanswered when
   the run had to give it up (``grace_s`` after the load stopped, or a stop of the run), or a stream that
@@ -107,16 +107,15 @@ def build(run) -> dict:
         d = f.as_dict(run.origin)
         if f.window is not None:
             d["failover_s"] = {}
-            for model in sorted({s.stage for s in samples}):
-                for path in f.paths:
-                    if not _disturbs(f, model, path):
-                        continue
-                    firsts = [s.timing.ended for s in samples if s.stage == model and s.side == path
-                              and s.sent_at >= f.start and outcome(s)[0] == "answered"]
-                    value = round(min(firsts) - f.start, 3) if firsts else None
-                    d["failover_s"][f"{model}/{path}"] = value
-                    if value is not None:
-                        failover.setdefault(f.kind, []).append(value)
+            for model, path in sorted({(s.stage, s.side) for s in samples}):  # the load's streams
+                if not _disturbs(f, model, path):
+                    continue
+                firsts = [s.timing.ended for s in samples if s.stage == model and s.side == path
+                          and s.sent_at >= f.start and outcome(s)[0] == "answered"]
+                value = round(min(firsts) - f.start, 3) if firsts else None
+                d["failover_s"][f"{model}/{path}"] = value
+                if value is not None:
+                    failover.setdefault(f.kind, []).append(value)
             d["requests_inside"] = sum(1 for r, s in zip(rows, samples) if r["in_fault_window"]
                                        and s.sent_at <= f.end + opts.settle_s and (s.finished or run.ended) >= f.start
                                        and _disturbs(f, s.stage, s.side))
