@@ -35,7 +35,7 @@ KINDS = ("kill_prefill", "kill_decode", "kill_gateway", "stop_prefill", "stop_de
          "lease_fill", "gateway_restart", "link_cut", "link_slow")
 PATHS = ("client", "gateway", "gateway-ollama")  # the load's: soak.py
 GATEWAY_PATHS = PATHS[1:]
-CRAWL_MBIT = 1.0  # the link_cut's wait for a transfer in flight
+CRAWL_MBIT = 0.25  # the link_cut's wait for a transfer in flight: a tiny model's bundle then takes a second
 
 
 @dataclass
@@ -215,9 +215,10 @@ class Injector:
             fault.detail["rate_mbit"] = self.slow_mbit
         else:
             # in the middle of a KV transfer: the link slowed to a crawl so that a transfer lasts, then cut as soon
-            # as bytes of one are in flight on the data path (up to link_s of waiting)
+            # as bytes of one are in flight on the data path (up to 3 link_s, at least 15 s, of waiting: else it
+            # is cut all the same, and detail.mid_transfer says it was not)
             link.slow(CRAWL_MBIT)
-            deadline = time.perf_counter() + max(self.link_s, 5.0)
+            deadline = time.perf_counter() + max(3 * self.link_s, 15.0)
             in_flight = 0
             while time.perf_counter() < deadline and not in_flight:
                 in_flight = link.bytes_in_flight()
