@@ -13,18 +13,23 @@ of it all. Everything it started is stopped on every way out (an error, Ctrl-C, 
 from __future__ import annotations
 
 import copy
-from collections import Counter
+import os
 import secrets
+import signal
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import psutil
 import requests
 
 from .. import config as cluster_config
 from ..errors import ConfigError
+from ..ops.cluster import LocalCluster
+from ..ops.supervise import Supervisor
+from ..server.settings import from_cluster
+from . import netns
 from .endpoints import ClientEndpoint, HttpEndpoint
 from .faults import KINDS, PATHS, Injector
 from .load import LoadShape, Phase
@@ -61,8 +66,6 @@ class SoakCluster:
     """The soak's servers and gateway; ``config`` (a dict) is the cluster as the client and gateway see it."""
 
     def __init__(self, base, *, use_link: bool = True, log_dir=None, say=lambda m: None):
-        from . import netns
-
         self.base = cluster_config.coerce(base)
         self.say = say
         self.link, self.link_server, self.link_skipped = None, None, None
@@ -87,7 +90,7 @@ class SoakCluster:
                                         "model": model} for model in models for i in range(2)]
         if link is not None:
             first = data["prefill_servers"][1]  # the first model's second prefill server: behind the link
-            first.update(host=link.ctl, port=link_port(), data_url=f"http://{link.data}:{link_port()}")
+            first.update(host=link.ctl, port=netns.PORT, data_url=f"http://{link.data}:{netns.PORT}")
             # it listens beyond loopback (in its namespace): every server and caller then needs the token
             self.token = self.base.server.get("api_token") or secrets.token_urlsafe(16)
             data["server"]["api_token"] = data["client"]["api_token"] = self.token
@@ -107,10 +110,6 @@ class SoakCluster:
 
     # -- starting and stopping ------------------------------------------------------------------------
     def start(self, timeout: float = 600.0) -> "SoakCluster":
-        from ..ops.cluster import LocalCluster
-        from ..ops.supervise import Supervisor
-        from . import netns
-
         try:
             if self.link_skipped is None:
                 try:
@@ -137,13 +136,10 @@ class SoakCluster:
         return self
 
     def _start_namespaced(self):
-        from ..server.settings import from_cluster
-        from .netns import NamespacedProcess
-
         cfg = cluster_config.coerce(self._data)
         entry = cfg.prefill_servers[1]
         peers = [replace(e, port=self._port_of(e)) for e in cfg.prefill_servers]
-        proc = NamespacedProcess(entry, from_cluster(cfg, entry.name, prefill_entries=peers), self.link,
+        proc = netns.NamespacedProcess(entry, from_cluster(cfg, entry.name, prefill_entries=peers), self.link,
                                  self.cluster.log_dir / f"{entry.name}.log")
         proc.start(self.cluster.env)
         self.cluster.processes.append(proc)
@@ -186,16 +182,7 @@ class SoakCluster:
         return self.cluster.processes + [self.cluster.gateway]
 
 
-def link_port() -> int:
-    from .netns import PORT
-
-    return PORT
-
-
 def _continue(proc) -> None:
-    import os
-    import signal
-
     if proc.proc is not None and proc.proc.poll() is None:
         try:
             os.killpg(proc.proc.pid, signal.SIGCONT)
@@ -253,8 +240,6 @@ def _group_resources(pid: int) -> dict:
     for p in procs:
         try:
             with p.oneshot():
-                if p.name() in ("ip",):  # the netns launcher's exec: the server itself replaces it
-                    pass
                 out["rss_bytes"] += p.memory_info().rss
                 out["open_files"] += p.num_fds()
                 out["threads"] += p.num_threads()
