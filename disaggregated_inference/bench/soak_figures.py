@@ -210,11 +210,12 @@ def draw(report: dict, path) -> str | None:
               ("leases", "leases held", 1))
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 10), sharex=True)
     servers = list(dict.fromkeys(r["server"] for r in rows))
+    colors = {server: plt.get_cmap("tab10")(i % 10) for i, server in enumerate(servers)}  # one per server, every panel
     for ax, (key, label, scale) in zip(axes, panels):
         for server in servers:
             pts = [(r["t_s"], r[key] * scale) for r in rows if r["server"] == server and r[key] is not None]
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], linewidth=1, label=server)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], linewidth=1, label=server, color=colors[server])
         ax.set_ylabel(label)
         for f in report["faults"]:
             if f.get("start_s") is None:
