@@ -119,6 +119,11 @@ def test_bad_options_are_named_before_anything_starts():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--rate", "0"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 2 and "--rate must be positive" in done.stderr
+    from disaggregated_inference.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--stop-seconds must be positive") as caught:
+        soak.check_options(soak.SoakOptions(config=None, stop_s=0.0))
+    assert caught.value.field == "--stop-seconds"
 
 
 # -- real soaks on tiny models ---------------------------------------------------------------------------

@@ -415,12 +415,18 @@ def _leases_at_end(cluster: SoakCluster, sampler: ResourceSampler, result: SoakR
     return {r["server"]: r["leases"] for r in rows if r["role"] == "prefill"}
 
 
+FLAGS = {"duration_s": "--duration", "rate": "--rate", "fault_every_s": "--fault-every", "warmup_s": "--warmup",
+         "sample_every_s": "--sample-every", "stop_s": "--stop-seconds", "link_s": "--link-seconds",
+         "lease_s": "--lease-seconds", "slow_mbit": "--slow-mbit"}
+
+
 def check_options(options: SoakOptions) -> None:
-    for name in ("duration_s", "rate", "fault_every_s", "sample_every_s", "stop_s", "link_s", "lease_s",
-                 "slow_mbit"):
+    """Each option in range, named by its flag (``benchmarks/soak.py``'s), before anything starts."""
+    for name, flag in FLAGS.items():
         value = getattr(options, name)
-        if not value > 0:
-            raise ConfigError(f"--{name.removesuffix('_s').replace('_', '-')} must be positive, got {value!r}",
-                              field=f"--{name.removesuffix('_s').replace('_', '-')}")
+        if not value > 0 and not (name == "warmup_s" and value == 0):
+            raise ConfigError(f"{flag} must be positive, got {value!r}", field=flag)
+    if options.settle_s < 0:
+        raise ConfigError(f"--settle must not be negative, got {options.settle_s!r}", field="--settle")
     if options.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be at least 1, got {options.max_tokens}", field="--max-tokens")
