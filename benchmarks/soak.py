@@ -73,7 +73,14 @@ def parse_faults(text: str) -> tuple:
     return kinds
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def _stop(signum, frame):
+    """The first stop signal ends the run (the cluster and the namespace are removed on the way out); the
+    ones after it wait for that to finish instead of cutting it short."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
@@ -118,7 +125,7 @@ def main(argv=None) -> int:
         soak.check_options(options)
     except (ConfigError, OSError) as exc:
         parser.error(getattr(exc, "message", None) or str(exc))
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # the cluster and the namespace go on these too
+    for sig in STOP_SIGNALS:  # the cluster and the namespace go on each of these too
         signal.signal(sig, _stop)
     try:
         run = soak.run(options, quick.say)

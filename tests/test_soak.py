@@ -202,3 +202,43 @@ def test_link_faults_on_the_namespaced_data_path(monkeypatch, tmp_path):
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"{netns.PREFIX}{__import__('os').getpid()}" not in listed  # the namespace went with the run
     assert soak_figures.draw(report, tmp_path / "soak.png") is None and (tmp_path / "soak.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_a_stop_signal_under_load_stops_every_server_and_reports_what_it_had():
+    import json
+    import os
+    import signal
+
+    import psutil
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--quick", "--duration", "120",
+                             "--faults", "none", "--json", "--png", ""], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    loaded, lines = threading.Event(), []
+
+    def read():
+        for line in proc.stderr:
+            lines.append(line)
+            if " s: " in line and " sent, " in line:  # a progress line: the load is on
+                loaded.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert loaded.wait(300), "".join(lines[-20:])
+        servers = psutil.Process(proc.pid).children(recursive=True)
+        assert len(servers) >= 9  # eight servers and the gateway (each a gunicorn master and its worker)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, "".join(lines[-20:])
+    gone, alive = psutil.wait_procs(servers, timeout=10)
+    assert not alive, [p.pid for p in alive]
+    report = json.loads(out)
+    assert report["complete"] is False and "interrupted" in report["incomplete_reason"]
+    r = report["requests"]
+    assert r["sent"] > 0 and r["sent"] == r["answered"] + r["failed"] + r["lost"]
