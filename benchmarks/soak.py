@@ -61,7 +61,7 @@ def soak_config(path: str | None, tiny: bool, lease_limit_mib: float = 64.0) -> 
         for i, (name, entry) in enumerate(data["models"].items()):
             data["models"][name] = {**entry, "backend": "llama_cpp", "model": str(tiny_gguf(shapes[i % 2])),
                                     "n_threads": 1, "n_ctx": 1024, "flash_attn": True}
-        data["server"]["share_cores"] = False
+        data["server"].update(share_cores=False, lease_seconds=10.0)  # a cut transfer's lease gone in seconds
     return data
 
 

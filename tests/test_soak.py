@@ -238,6 +238,9 @@ def test_a_stop_signal_under_load_stops_every_server_and_reports_what_it_had():
     assert proc.returncode == 130, "".join(lines[-20:])
     gone, alive = psutil.wait_procs(servers, timeout=10)
     assert not alive, [p.pid for p in alive]
+    if netns.unavailable() is None:  # the namespace of the link went with it
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"{netns.PREFIX}{proc.pid}" not in listed
     report = json.loads(out)
     assert report["complete"] is False and "interrupted" in report["incomplete_reason"]
     r = report["requests"]

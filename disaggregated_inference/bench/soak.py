@@ -273,7 +273,8 @@ class SoakRun:
     phases: list = field(default_factory=list)
     faults: list = field(default_factory=list)
     samples: list = field(default_factory=list)
-    leases_at_end: dict = field(default_factory=dict)
+    leases_at_drain: dict = field(default_factory=dict)  # right after the load drained
+    leases_at_end: dict = field(default_factory=dict)  # after the leases faults left had their time
     link_skipped: str | None = None
     interrupted: str | None = None
     restarts: dict = field(default_factory=dict)
@@ -401,18 +402,26 @@ def _inject_all(options: SoakOptions, injector: Injector, result: SoakRun, stop,
             say(f"fault {kind} on {fault.target}: {fault.end - fault.start:.1f} s; {done} requests finished so far")
 
 
-def _leases_at_end(cluster: SoakCluster, sampler: ResourceSampler, result: SoakRun, options: SoakOptions) -> dict:
-    """Each prefill server's leases once the load has drained, after the last lease_fill's leases have had
-    their time to run out (the fills' own, not the load's)."""
-    fills = [f.start for f in result.faults if f.kind == "lease_fill" and f.start is not None]
-    if fills:
-        wait = max(fills) + options.lease_s + 2.0 - time.perf_counter()
-        if wait > 0:
-            time.sleep(wait)
-    time.sleep(1.5)  # the sweeper runs every second
+def _prefill_leases(cluster: SoakCluster, sampler: ResourceSampler) -> dict:
     sampler.sample()
     rows = sampler.rows[-len(cluster.processes()):]
     return {r["server"]: r["leases"] for r in rows if r["role"] == "prefill"}
+
+
+def _leases_at_end(cluster: SoakCluster, sampler: ResourceSampler, result: SoakRun, options: SoakOptions) -> dict:
+    """Each prefill server's leases once the load has drained (``result.leases_at_drain``) and then once every
+    lease a fault may have left has had its time: the cluster's ``lease_seconds`` after the last fault's end (a
+    transfer cut off, a decode server stopped before its pull), a fill's own lease after the last fill."""
+    result.leases_at_drain = _prefill_leases(cluster, sampler)
+    ttl = float(cluster.base.server.get("lease_seconds", 30.0))
+    due = [f.end + ttl for f in result.faults if f.end is not None]
+    due += [f.end + options.lease_s for f in result.faults if f.kind == "lease_fill" and f.end is not None]
+    if any(result.leases_at_drain.values()) and due:  # none held: nothing to wait for
+        wait = max(due) + 2.0 - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+    time.sleep(1.5)  # the sweeper runs every second
+    return _prefill_leases(cluster, sampler)
 
 
 FLAGS = {"duration_s": "--duration", "rate": "--rate", "fault_every_s": "--fault-every", "warmup_s": "--warmup",

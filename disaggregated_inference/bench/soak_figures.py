@@ -20,8 +20,10 @@ Definitions (times on the client's clock, ``time.perf_counter``):
   caught does not count, and one answered by a server the fault left alone does: that is the failover).
   Per kind: p50 and max over every fault of the kind and every model and path. None where no request was
   answered after the fault before the run ended.
-- **leases at the end**: each prefill server's leases held once the load has drained and the last
-  ``lease_fill``'s leases have had their time (goal 0: a lease left means a bundle nobody freed).
+- **leases at the end**: each prefill server's leases held once the load has drained and every lease a
+  fault may have left has had its time (the cluster's ``lease_seconds`` after the last fault, a fill's
+  lease after the last fill), goal 0: a lease left then is a bundle nobody freed; ``leases_at_drain``:
+  the same right after the load drained (leases a late fault left, still within their time).
 - **growth per 1,000 requests**: for each server, the least-squares slope of its RSS (MiB), open files and
   threads against the requests finished (all paths), over the samples after the warm-up taken from its
   longest-lived process (a restart starts a new process, whose figures start over after a warm-up of its
@@ -138,6 +140,7 @@ def build(run) -> dict:
         "faults": faults,
         "faults_skipped": {f.kind: f.skipped for f in run.faults if f.skipped},
         "link": {"used": run.link_skipped is None, "skipped": run.link_skipped},
+        "leases_at_drain": run.leases_at_drain,
         "leases_at_end": leases_end,
         "leases_held_at_end": sum(v for v in leases_end.values() if v) if leases_end else None,
         "restarts": run.restarts,
