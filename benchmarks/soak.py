@@ -116,7 +116,8 @@ def main(argv=None) -> int:
                        lease_seconds=4.0, lease_limit_mib=1.0)
     try:
         options = soak.SoakOptions(
-            config=cluster_config.coerce(soak_config(args.config, args.quick, args.lease_limit_mib)), duration_s=args.duration,
+            config=cluster_config.coerce(soak_config(args.config, args.quick, args.lease_limit_mib)),
+            duration_s=args.duration,
             rate=args.rate, max_tokens=args.max_tokens, faults=args.faults, fault_every_s=args.fault_every,
             warmup_s=args.warmup, settle_s=args.settle, sample_every_s=args.sample_every, stop_s=args.stop_seconds,
             link_s=args.link_seconds, lease_s=args.lease_seconds, slow_mbit=args.slow_mbit,
@@ -133,7 +134,8 @@ def main(argv=None) -> int:
         quick.say("interrupted while the cluster started: nothing measured")
         return 130
     report = soak_figures.build(run)
-    report.update(quick=args.quick, command=" ".join(["benchmarks/soak.py", *(argv if argv is not None else sys.argv[1:])]),
+    given = argv if argv is not None else sys.argv[1:]
+    report.update(quick=args.quick, command=" ".join(["benchmarks/soak.py", *given]),
                   schedule=[{"at_s": at, "kind": kind} for at, kind in soak.schedule(options)])
     report["png"] = None
     if args.png:

@@ -128,7 +128,7 @@ def test_bad_options_are_named_before_anything_starts():
 
 # -- real soaks on tiny models ---------------------------------------------------------------------------
 
-def _options(faults, duration: float, use_link: bool) -> soak.SoakOptions:
+def _options(faults, duration: float, use_link: bool, logs) -> soak.SoakOptions:
     sys.path.insert(0, str(ROOT))
     from benchmarks.soak import soak_config
 
@@ -137,7 +137,8 @@ def _options(faults, duration: float, use_link: bool) -> soak.SoakOptions:
     return soak.SoakOptions(config=cluster_config.coerce(soak_config(None, True, 1.0)), duration_s=duration,
                             rate=1.0, max_tokens=8, faults=faults, fault_every_s=7.0, warmup_s=4.0, settle_s=3.0,
                             sample_every_s=1.0, stop_s=3.0, link_s=2.0, lease_s=4.0, grace_s=60.0,
-                            fill_max=50, use_link=use_link, progress_every_s=60.0, startup_timeout_s=300.0)
+                            fill_max=50, use_link=use_link, progress_every_s=60.0, startup_timeout_s=300.0,
+                            log_dir=str(logs))
 
 
 def _count_sends(monkeypatch) -> Counter:
@@ -159,9 +160,9 @@ def _count_sends(monkeypatch) -> Counter:
 
 
 @pytest.mark.slow
-def test_soak_accounts_for_every_request_it_sent(monkeypatch):
+def test_soak_accounts_for_every_request_it_sent(monkeypatch, tmp_path):
     sent = _count_sends(monkeypatch)
-    run = soak.run(_options(("kill_prefill", "stop_decode"), 24.0, use_link=False), say=lambda m: None)
+    run = soak.run(_options(("kill_prefill", "stop_decode"), 24.0, use_link=False, logs=tmp_path), say=lambda m: None)
     report = soak_figures.build(run)
     r = report["requests"]
     assert report["complete"] and r["sent"] == sum(sent.values()) > 20
@@ -188,7 +189,7 @@ def test_link_faults_on_the_namespaced_data_path(monkeypatch, tmp_path):
     if why:
         pytest.skip(why)
     sent = _count_sends(monkeypatch)
-    run = soak.run(_options(("link_cut", "link_slow"), 24.0, use_link=True), say=lambda m: None)
+    run = soak.run(_options(("link_cut", "link_slow"), 24.0, use_link=True, logs=tmp_path / "logs"), say=lambda m: None)
     report = soak_figures.build(run)
     assert report["link"] == {"used": True, "skipped": None}
     cut, slow = report["faults"]

@@ -68,7 +68,8 @@ class DataLink:
             _run("ip", "netns", "add", self.ns)
             self._made = True
             _run("ip", "-n", self.ns, "link", "set", "lo", "up")
-            for key, (host_addr, ns_addr) in (("ctl", (self.host_ctl, self.ctl)), ("data", (self.host_data, self.data))):
+            pairs = (("ctl", (self.host_ctl, self.ctl)), ("data", (self.host_data, self.data)))
+            for key, (host_addr, ns_addr) in pairs:
                 host_dev, ns_dev = self.devs[key]
                 _run("ip", "link", "add", host_dev, "type", "veth", "peer", "name", ns_dev)
                 _run("ip", "link", "set", ns_dev, "netns", self.ns)

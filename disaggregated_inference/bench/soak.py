@@ -3,12 +3,13 @@
 ``SoakCluster`` starts, on free ports of its own, two prefill and two decode servers per model and a gateway
 (``ops/cluster.LocalCluster``), kept running by the supervisor that restarts what dies (``ops/supervise``).
 Where root and iproute2 are there, the second prefill server of the first model runs behind a link of its
-own (``netns.DataLink``) for the link faults. ``run`` sends each model's requests on three paths (``faults.PATHS``:
-the client's stream, the gateway's OpenAI SSE stream and its Ollama NDJSON stream) at a steady Poisson rate (the bench's load generator, ``load.Phase``: one phase per model
-and path), injects the faults of the schedule (``faults.Injector``) one every ``fault_every`` seconds after the
-warm-up, samples every server's resources (``ResourceSampler``) and returns what ``soak_figures.build`` makes
-of it all. Everything it started is stopped on every way out (an error, Ctrl-C, SIGTERM or SIGHUP raised as
-``KeyboardInterrupt`` by the script).
+own (``netns.DataLink``) for the link faults. ``run`` sends each model's requests on three paths
+(``faults.PATHS``: the client's stream, the gateway's OpenAI SSE stream and its Ollama NDJSON stream) at a
+steady Poisson rate (the bench's load generator, ``load.Phase``: one phase per model and path), injects the
+faults of the schedule (``faults.Injector``) one every ``fault_every_s`` seconds after the warm-up, samples
+every server's resources (``ResourceSampler``) and returns a ``SoakRun``, which ``soak_figures.build`` makes
+figures of. Everything it started is stopped on every way out (an error, Ctrl-C, or SIGTERM or SIGHUP raised
+as ``KeyboardInterrupt`` by the script).
 """
 from __future__ import annotations
 
@@ -273,6 +274,7 @@ class SoakRun:
     phases: list = field(default_factory=list)
     faults: list = field(default_factory=list)
     samples: list = field(default_factory=list)
+    log_dir: str = ""  # the servers' logs
     leases_at_drain: dict = field(default_factory=dict)  # right after the load drained
     leases_at_end: dict = field(default_factory=dict)  # after the leases faults left had their time
     link_skipped: str | None = None
@@ -302,7 +304,8 @@ def run(options: SoakOptions, say) -> SoakRun:
         raise ConfigError(f"unknown fault {unknown[0]!r}: one of {', '.join(KINDS)}", field="--faults")
     cluster = SoakCluster(options.config, use_link=options.use_link, log_dir=options.log_dir, say=say)
     cluster.start(options.startup_timeout_s)
-    result = SoakRun(options, time.time(), time.perf_counter(), link_skipped=cluster.link_skipped)
+    result = SoakRun(options, time.time(), time.perf_counter(), link_skipped=cluster.link_skipped,
+                     log_dir=str(cluster.cluster.log_dir))
     endpoints, injector, sampler = [], None, None
     stop = threading.Event()
     try:
@@ -325,7 +328,8 @@ def run(options: SoakOptions, say) -> SoakRun:
         for model in cfg["models"]:
             units = units_for(cluster.base, model, options.max_tokens, options.seed)
             for path, endpoint in zip(PATHS, endpoints):
-                phases.append(Phase(endpoint, _cycled(units), LoadShape(rate=options.rate, duration_s=options.duration_s),
+                shape = LoadShape(rate=options.rate, duration_s=options.duration_s)
+                phases.append(Phase(endpoint, _cycled(units), shape,
                                     side=path, stage=model, phase=0, seed=options.seed, grace_s=options.grace_s,
                                     stop=stop, on_sample=recorded))
         finished = lambda: sum(1 for p in phases for s in list(p.result.samples) if s.done)  # noqa: E731

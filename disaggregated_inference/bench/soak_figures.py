@@ -3,8 +3,9 @@
 Definitions (times on the client's clock, ``time.perf_counter``):
 
 - **sent**: requests the load sent (each model, each path: ``client`` is ``DisaggregatedClient.stream``,
-  ``gateway`` the gateway's OpenAI-API stream, ``gateway-ollama`` its Ollama-API stream); **answered**: their stream ended with its final line (an
-  empty answer, the model's end-of-text first, counts: ``answered_empty``); **failed**: the caller got an
+  ``gateway`` the gateway's OpenAI-API stream, ``gateway-ollama`` its Ollama-API stream); **answered**:
+  their stream ended with its final line (an empty answer, the model's end-of-text first, counts:
+  ``answered_empty``); **failed**: the caller got an
   error (its text is kept, by path); **lost**: the caller got neither: a request still unanswered when
   the run had to give it up (``grace_s`` after the load stopped, or a stop of the run), or a stream that
   ended without its final line and without an error. ``sent = answered + failed + lost`` always.
@@ -144,6 +145,7 @@ def build(run) -> dict:
         "leases_at_end": leases_end,
         "leases_held_at_end": sum(v for v in leases_end.values() if v) if leases_end else None,
         "restarts": run.restarts,
+        "logs": run.log_dir,
         "growth_per_1000_requests": growth(run.samples, run.origin + opts.warmup_s, opts.warmup_s),
         "resources": [{"t_s": round(r["t"] - run.origin, 2), **{k: r[k] for k in
                        ("server", "role", "pid", "requests_done", "rss_bytes", "open_files", "threads", "leases")}}
