@@ -10,7 +10,9 @@ Definitions (times on the client's clock, ``time.perf_counter``):
   the run had to give it up (``grace_s`` after the load stopped, or a stop of the run), or a stream that
   ended without its final line and without an error. ``sent = answered + failed + lost`` always.
 - **duplicated**: a request with more than one outcome recorded, or an answer that streamed more pieces
-  than the tokens the cluster says it generated (a piece delivered twice).
+  than any answer to the same prompt on the same model outside every fault window (the steps are
+  deterministic and greedy: the same prompt streams the same pieces, on every path; one more is a piece
+  delivered twice). Not the server's token count: a token may stream as two pieces (Gemma's tokenizer).
 - **fault window**: from the fault's start to its end (``faults.py`` defines both for each kind). A request
   is *inside* a window when its lifetime (sent to outcome) overlaps ``[start, end + settle_s]`` and the fault
   can disturb it (its model, or every model for the gateway's faults, and its path); *outside* otherwise.
@@ -68,6 +70,20 @@ def _pct(values: list[float], q: float) -> float | None:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
+def _prompt(sample) -> str:
+    return str(sample.request.kwargs.get("prompt") or sample.request.kwargs.get("messages"))
+
+
+def _baseline_pieces(samples, hits) -> dict:
+    """(model, prompt) -> the pieces its answers streamed outside every fault window (the most of them)."""
+    out: dict = {}
+    for s, hit in zip(samples, hits):
+        if not hit and outcome(s)[0] == "answered":
+            key = (s.stage, _prompt(s))
+            out[key] = max(out.get(key, 0), len(s.timing.pieces))
+    return out
+
+
 def _rate(failed: int, n: int) -> float | None:
     return None if n == 0 else round(failed / n, 6)
 
@@ -81,21 +97,24 @@ def build(run) -> dict:
     outside = {"requests": 0, "failed": 0}
     counts = Counter()
     duplicated = sum(n - 1 for n in run.outcomes_recorded.values() if n > 1)
-    for s in samples:
+    hits = [any(_disturbs(f, s.stage, s.side) and s.sent_at <= f.end + opts.settle_s
+                and (s.finished or run.ended) >= f.start for f in windows) for s in samples]
+    baseline = _baseline_pieces(samples, hits)
+    for s, hit in zip(samples, hits):
         kind, error = outcome(s)
         counts[kind] += 1
         model, path = s.stage, s.side
         t = s.timing
-        end = s.finished or run.ended
+        repeated = run.outcomes_recorded.get(id(s), 1) > 1
         if kind == "answered":
             if t.error == EMPTY:
                 counts["answered_empty"] += 1
-            if t.output_tokens and len(t.pieces) > t.output_tokens:
+            usual = baseline.get((model, _prompt(s)))
+            if usual is not None and len(t.pieces) > usual:
                 duplicated += 1
+                repeated = True
         else:
             errors[f"{path}: {_short(error)}"] += 1
-        hit = any(_disturbs(f, model, path) and s.sent_at <= f.end + opts.settle_s and end >= f.start
-                  for f in windows)
         bucket = inside if hit else outside
         bucket["requests"] += 1
         bucket["failed"] += kind != "answered"
@@ -104,7 +123,9 @@ def build(run) -> dict:
         side[kind] += 1
         rows.append({"sent_s": round(s.sent_at - run.origin, 3), "path": path, "model": model,
                      "outcome": kind, "error": error, "e2el_s": round(t.e2el, 3) if kind == "answered" else None,
-                     "in_fault_window": hit})
+                     "in_fault_window": hit, "duplicated": repeated,
+                     "pieces": len(t.pieces) if t is not None else 0,
+                     "tokens": t.output_tokens if t is not None else 0})
     faults, failover = [], {}
     for f in run.faults:
         d = f.as_dict(run.origin)
