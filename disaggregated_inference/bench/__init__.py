@@ -7,4 +7,8 @@
 - ``machines``: energy, cost and utilization of the cluster's machines while it runs;
 - ``table``: seed 004's success metrics, each met, not met or not measured (with the reason);
 - ``report``/``charts``: bench.json, bench.md and the PNG charts; ``run``: all of it in order.
+
+The soak (``benchmarks/soak.py``) runs the same load for long under faults: ``soak`` (its cluster, load and
+resource samples), ``faults`` (each fault and its window), ``netns`` (a prefill server behind a link of its
+own, for the link faults), ``soak_figures`` (lost, duplicated, error rates, failover, growth, its chart).
 """
