@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..ops.cluster import ServerProcess
 from ..ops.launch import server_command
+from ..ops.lifetime import critical, spawn
 
 PREFIX = "dsk-"
 PORT = 8000
@@ -153,9 +154,9 @@ class NamespacedProcess(ServerProcess):
     def start(self, extra_env: dict | None = None) -> None:
         cmd, env = server_command(self.settings, f"0.0.0.0:{self.entry.port}", {**os.environ, **(extra_env or {})})
         env.setdefault("PYTHONUNBUFFERED", "1")
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.link.command(cmd), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+        with open(self.log_path, "ab") as log, critical():  # no stop signal between the fork and self.proc
+            self.proc = spawn(self.link.command(cmd), env=env, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
         self._terminated = False
         self._extra_env = extra_env
 
