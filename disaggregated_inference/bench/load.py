@@ -80,11 +80,12 @@ class Phase:
     """One phase of load on one endpoint (``run()`` returns its ``PhaseResult``)."""
 
     def __init__(self, endpoint, units, shape: LoadShape, *, side: str, stage: str, phase: int, seed: int = 0,
-                 grace_s: float = 30.0, progress=None, stop: threading.Event | None = None):
+                 grace_s: float = 30.0, progress=None, on_sample=None, stop: threading.Event | None = None):
         self.endpoint, self.units, self.shape = endpoint, iter(units), shape
         self.side, self.stage, self.phase = side, stage, phase
         self.rng = random.Random(f"{seed}:{stage}:{phase}")
         self.grace_s, self.progress = grace_s, progress
+        self.on_sample = on_sample  # called with each request's Sample once it is answered or failed (the soak)
         self.stop = stop or threading.Event()
         self.lock = threading.Lock()
         self.sending_over = threading.Event()
@@ -108,6 +109,8 @@ class Phase:
         with self.lock:
             if sample.timing is None:  # not already cut
                 sample.timing, sample.finished = timing, time.perf_counter()
+        if self.on_sample is not None:
+            self.on_sample(sample)
         return sample
 
     def _send_unit(self, unit: Unit) -> list[Sample]:
