@@ -3,7 +3,8 @@
 ``Method`` is how a request was served (the values the documents name);
 ``RequestMetrics`` is what ``DisaggregatedClient.generate`` measured and merged
 from the prefill's and the decode's figures (client/figures.py), given to the
-caller as ``as_dict()``. The engines name the same quantities alike: the prompt's
+caller as ``as_dict()``; ``Move`` is one move of a streamed answer from a decode
+server that failed mid-answer to another (resume.py). The engines name the same quantities alike: the prompt's
 evaluation is ``prefill_time`` / ``prefill_speed`` wherever it ran (on the
 prefill server, or on the decode server for a recompute or a decode-only request).
 This module imports nothing of the package.
@@ -45,10 +46,40 @@ _GROUPS = {Method.KV_HANDOFF: "kv_handoff", Method.TOKEN_IDS_RECOMPUTE: "recompu
            Method.DECODE_ONLY_FALLBACK: "fallback"}
 
 
+@dataclass(frozen=True)
+class Move:
+    """An answer moved: its decode server (``from_decode_server``) failed mid-answer (``reason``) after
+    ``after_pieces`` pieces, and the request was served again (``method``, on ``to_decode_server``, from a
+    fresh prefill on ``to_prefill_server`` or none); ``pieces_replayed`` pieces were generated again and
+    checked, ``tokens_recomputed`` = the prompt's tokens evaluated again + those pieces."""
+
+    from_decode_server: str
+    to_decode_server: str | None
+    to_prefill_server: str | None
+    method: Method | None
+    after_pieces: int
+    reason: str
+    pieces_replayed: int
+    tokens_recomputed: int
+
+    def as_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["method"] = self.method.value if self.method is not None else None
+        return out
+
+    @classmethod
+    def from_dict(cls, move: dict) -> Move:
+        values = {f.name: move.get(f.name) for f in fields(cls)}
+        values["method"] = Method(values["method"]) if values["method"] is not None else None
+        return cls(**values)
+
+
 # what a RequestMetrics gives only when it has it (the others it always gives, None when unknown)
 _WHEN_GIVEN = ("reasoning", "tool_calls", "canary", "canary_top1_match", "canary_divergence", "canary_tolerance",
                "canary_check_ms", "handoff_mode", "handoff_mode_reason", "kv_import", "kv_wait_time",
-               "kv_exposed_time", "canary_ms", "speculation", "draft_tokens", "accepted_tokens", "warnings")
+               "kv_exposed_time", "canary_ms", "speculation", "draft_tokens", "accepted_tokens", "resumed",
+               "tokens_recomputed_by_moves", "warnings")
+_EMPTY_NOT_GIVEN = ("reasoning", "tool_calls", "resumed", "warnings")
 
 
 @dataclass(frozen=True)
@@ -95,6 +126,8 @@ class RequestMetrics:
     speculation: str | None = None
     draft_tokens: int | None = None
     accepted_tokens: int | None = None
+    resumed: tuple = ()  # the answer's moves (``Move``), each time its decode server failed mid-answer
+    tokens_recomputed_by_moves: int | None = None  # the moves' ``tokens_recomputed``, summed
     warnings: tuple = field(default=())
 
     @property
@@ -106,13 +139,14 @@ class RequestMetrics:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in _WHEN_GIVEN and (value is None or (f.name in ("reasoning", "tool_calls", "warnings")
-                                                             and not value)):
+            if f.name in _WHEN_GIVEN and (value is None or (f.name in _EMPTY_NOT_GIVEN and not value)):
                 continue
             out[f.name] = value
             if f.name == "completion_tokens":
                 out["total_tokens"] = self.total_tokens
         out["method"] = self.method.value
+        if self.resumed:
+            out["resumed"] = [move.as_dict() for move in self.resumed]
         if self.warnings:
             out["warnings"] = list(self.warnings)
         return out
@@ -128,7 +162,9 @@ class RequestMetrics:
         values["method"] = Method(values["method"])
         if "warnings" in values:
             values["warnings"] = tuple(values["warnings"])
+        if "resumed" in values:
+            values["resumed"] = tuple(Move.from_dict(move) for move in values["resumed"])
         return cls(**values)
 
 
-__all__ = ["Method", "RequestMetrics"]
+__all__ = ["Method", "Move", "RequestMetrics"]

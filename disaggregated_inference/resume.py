@@ -13,7 +13,7 @@ another decode server of the model is up, the answer goes on there:
   prompt's, evaluated again, and the pieces regenerated); a warning says so.
 
 How the continuation is made, and why so. The decode stream carries text pieces, not token ids
-(``server/decode.py``: ``{"text"}``, ``{"reasoning"}``, ``{"tool_call"}`` lines), and the decode
+(``wire.Piece``: text, reasoning or a tool call), and the decode
 servers take a raw token-id prompt (``/decode {"tokens"}``), but a fresh server fed prompt +
 generated ids would start its chat format's reading of the output (a reasoning channel, a tool
 call half read, text held back for a stop string, a partial UTF-8 character) from the beginning
@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import replace
 
 from . import chat
 from .errors import DisaggError, UpstreamError, UpstreamTimeout
+from .metrics import Move, RequestMetrics
+from .wire import Final, Piece
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +73,13 @@ class Continuation:
     # -- the stream --------------------------------------------------------------------------------
 
     def lines(self, lines):
-        """The stream's lines (as ``_ndjson_lines`` gives them), through to the last (``done``) one; a
-        resumable failure before it continues the answer elsewhere, or raises as it did."""
+        """The stream's lines (``wire.Piece``, then ``wire.Final``, as ``_ndjson_lines`` gives them) through to
+        the last one; a resumable failure before it continues the answer elsewhere, or raises as it did."""
         while True:
             try:
                 try:
                     for line in lines:
-                        if line.get("done"):
+                        if isinstance(line, Final):
                             yield line
                             return
                         self._note(line)
@@ -91,14 +94,14 @@ class Continuation:
                 lines.close()
             lines = self._move(broken)
 
-    def _note(self, line: dict) -> None:
+    def _note(self, piece: Piece) -> None:
         self.pieces += 1
-        if line.get("tool_call") is not None:
-            self.calls.append(line["tool_call"])
-        elif line.get("reasoning") is not None:
-            self.sent[chat.REASONING] += line["reasoning"]
+        if piece.tool_call is not None:
+            self.calls.append(piece.tool_call)
+        elif piece.reasoning is not None:
+            self.sent[chat.REASONING] += piece.reasoning
         else:
-            self.sent[chat.CONTENT] += line.get("text") or ""
+            self.sent[chat.CONTENT] += piece.text or ""
 
     def _move(self, broken: DisaggError):
         """Serve the request again on another decode server; its lines from where the caller is."""
@@ -133,22 +136,22 @@ class Continuation:
         sent, sent_calls = dict(self.sent), list(self.calls)  # what the caller had at the break (lines() adds on)
         try:
             for line in lines:
-                if line.get("done"):
+                if isinstance(line, Final):
                     if any(at[k] < len(sent[k]) for k in at) or calls < len(sent_calls):
                         raise self._diverged(failed, new, "its answer ended before reaching the break")
                     yield line
                     return
-                if line.get("tool_call") is not None:
+                if line.tool_call is not None:
                     if calls < len(sent_calls):
-                        if line["tool_call"] != sent_calls[calls]:
+                        if line.tool_call != sent_calls[calls]:
                             raise self._diverged(failed, new, "a tool call differs")
                         calls += 1
                         move["pieces_replayed"] += 1
                         continue
                     yield line
                     continue
-                kind, key = (chat.REASONING, "reasoning") if line.get("reasoning") is not None else (chat.CONTENT, "text")
-                value = line.get(key) or ""
+                kind, key = (chat.REASONING, "reasoning") if line.reasoning is not None else (chat.CONTENT, "text")
+                value = getattr(line, key) or ""
                 have = sent[kind]
                 left = len(have) - at[kind]
                 if left <= 0:
@@ -159,7 +162,7 @@ class Continuation:
                 at[kind] += min(left, len(value))
                 move["pieces_replayed"] += 1
                 if len(value) > left:  # this piece straddles the break: the caller gets the rest of it
-                    yield {**line, key: value[left:]}
+                    yield replace(line, **{key: value[left:]})
         finally:
             lines.close()
 
@@ -171,28 +174,28 @@ class Continuation:
 
     # -- what the caller is told -------------------------------------------------------------------
 
-    def annotate(self, metrics: dict) -> dict:
-        """Add to a finished stream's ``metrics`` where it moved and what that recomputed; warn once."""
+    def annotate(self, metrics: RequestMetrics) -> RequestMetrics:
+        """A finished stream's ``metrics`` with where it moved and what that recomputed; warn once."""
         return describe(self.moves, metrics, self.notes)
 
 
-def describe(moves: list[dict], metrics: dict, notes=()) -> dict:
-    """``metrics`` with ``resumed`` (the moves, each with ``tokens_recomputed``: the prompt's tokens evaluated
-    again and the pieces generated again), ``tokens_recomputed_by_moves`` and a warning per move."""
+def describe(moves: list[dict], metrics: RequestMetrics, notes=()) -> RequestMetrics:
+    """``metrics`` with ``resumed`` (the moves as ``metrics.Move``, each with ``tokens_recomputed``: the prompt's
+    tokens evaluated again and the pieces generated again), ``tokens_recomputed_by_moves`` and a warning per move."""
     if not moves:
         return metrics
-    prompt_tokens = metrics.get("prompt_tokens") or 0
-    for move in moves:
-        move["tokens_recomputed"] = prompt_tokens + move["pieces_replayed"]
-    metrics["resumed"] = moves
-    metrics["tokens_recomputed_by_moves"] = sum(m["tokens_recomputed"] for m in moves)
-    said = [f"decode server {m['from_decode_server']} failed mid-answer ({m['reason']}); the answer continued on "
-            f"{m['to_decode_server']} after {m['after_pieces']} pieces ({m['tokens_recomputed']} tokens recomputed: "
-            f"the prompt's {prompt_tokens} and {m['pieces_replayed']} pieces generated again)" for m in moves]
-    metrics["warnings"] = [*metrics.get("warnings", []), *notes, *said]
+    prompt_tokens = metrics.prompt_tokens or 0
+    resumed = tuple(Move(from_decode_server=m["from_decode_server"], to_decode_server=m["to_decode_server"],
+                         to_prefill_server=m["to_prefill_server"], method=m["method"],
+                         after_pieces=m["after_pieces"], reason=m["reason"], pieces_replayed=m["pieces_replayed"],
+                         tokens_recomputed=prompt_tokens + m["pieces_replayed"]) for m in moves)
+    said = [f"decode server {m.from_decode_server} failed mid-answer ({m.reason}); the answer continued on "
+            f"{m.to_decode_server} after {m.after_pieces} pieces ({m.tokens_recomputed} tokens recomputed: "
+            f"the prompt's {prompt_tokens} and {m.pieces_replayed} pieces generated again)" for m in resumed]
     for line in said:
         warnings.warn(line, ResumeWarning, stacklevel=4)
-    return metrics
+    return replace(metrics, resumed=resumed, tokens_recomputed_by_moves=sum(m.tokens_recomputed for m in resumed),
+                   warnings=(*metrics.warnings, *notes, *said))
 
 
 # -- a whole answer (``generate``) -------------------------------------------------------------------
@@ -213,10 +216,10 @@ def broke_off(local, server, pieces: int, exc: BaseException) -> None:
                             "pieces_replayed": pieces, "reason": exc.message})
 
 
-def finish(local, metrics: dict) -> dict:
+def finish(local, metrics: RequestMetrics) -> RequestMetrics:
     """The answer's metrics, with the moves its request made (``describe``)."""
     moves, local.moves = getattr(local, "moves", None) or [], None
     for move in moves:
-        move.update(to_decode_server=metrics.get("decode_server"), to_prefill_server=metrics.get("prefill_server"),
-                    method=metrics.get("method"))
+        move.update(to_decode_server=metrics.decode_server, to_prefill_server=metrics.prefill_server,
+                    method=metrics.method)
     return describe(moves, metrics)

@@ -42,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .. import chat
 from .. import config as cluster_config
+from .. import resume  # issue 42: an answer survives its decode server
 from .. import routing
 from ..errors import BadRequest, UpstreamError, UpstreamTimeout
 from ..metrics import Method, RequestMetrics
@@ -134,6 +135,7 @@ class DisaggregatedClient(ServerPool, Transport, Handoff):
         """``generate`` for a ``GenerationRequest``, its metrics as their type."""
         started = time.perf_counter()
         model_key, source, decision = self._admit(request, route)
+        resume.begin(self._local)  # resume hook: moves of this request's answer between decode servers
 
         def local(method: Method) -> Served:
             sent, retries = [], []
@@ -145,8 +147,9 @@ class DisaggregatedClient(ServerPool, Transport, Handoff):
         served, notes = self._by_route(model_key, decision,
                                        lambda exclude: self._disaggregated(model_key, request, exclude),
                                        local, started)
-        metrics = served.metrics(started, notes, decision.as_metrics())
-        self._learn(model_key, source, served, metrics, clean=not notes and not served.decode_connect_retries)
+        metrics = resume.finish(self._local, served.metrics(started, notes, decision.as_metrics()))  # resume hook
+        self._learn(model_key, source, served, metrics,  # resume hook: a moved answer's times are no measure
+                    clean=not notes and not served.decode_connect_retries and not metrics.resumed)
         self._remember(model_key, metrics)
         return served.decode.generated_text, metrics
 
@@ -165,7 +168,9 @@ class DisaggregatedClient(ServerPool, Transport, Handoff):
 
         Routing, failover, the recompute of a lost KV and the decode-only fallback happen as in
         ``generate`` until the decode server's stream has opened (its answer arrives with the first
-        piece): after that the decode server is committed, and an error ends the stream by raising.
+        piece). After that, a decode server that dies or goes silent hands the answer to another one of
+        the model where one is up (``resume.py``: each piece once, ``metrics["resumed"]``); else the error
+        ends the stream by raising.
         ``on_route(route)``, if given, is called once the stream is open with what is known then:
         ``method`` (provisional for a handoff: the decode server reports the final one in the
         metrics), ``prefill_server``, ``decode_server``, ``kv_bytes`` (the bundle's size) and
@@ -190,11 +195,15 @@ class DisaggregatedClient(ServerPool, Transport, Handoff):
                 s, "/generate", request.generate_body(stream=True), self.decode_timeout))
             return Served(decode_server, method, lines=lines)
 
-        served, notes = self._by_route(model_key, decision,
-                                       lambda exclude: self._open_disaggregated(model_key, request, exclude),
-                                       local, started)
+        def handoff(exclude):
+            return self._open_disaggregated(model_key, request, exclude)
+
+        served, notes = self._by_route(model_key, decision, handoff, local, started)
         lines, served.lines = served.lines, None
         served.first_piece_at = time.perf_counter()  # _open_stream returned once the first line had arrived
+        # -- resume hook (issue 42): a decode server that fails mid-answer hands the answer to another (resume.py)
+        moved = resume.Continuation(served, lambda: self._serve_by_route(model_key, decision, handoff, local),
+                                    lambda: self._candidates("decode", model_key), self._mark_failure)
         decode_server = served.decode_server
         with self._lock:  # busy for the whole stream, so that least-loaded routing sees it
             decode_server.outstanding += 1
@@ -206,7 +215,7 @@ class DisaggregatedClient(ServerPool, Transport, Handoff):
                           "warnings": list(notes)})
             pieces, final = _Pieces(), None
             try:
-                for line in lines:  # an error line raises in _ndjson_lines
+                for line in moved.lines(lines):  # an error line raises in _ndjson_lines; resume hook
                     if isinstance(line, Final):
                         final = line
                         break
@@ -217,7 +226,7 @@ class DisaggregatedClient(ServerPool, Transport, Handoff):
                         yield chat.Part(kind, value)
             except UpstreamTimeout as exc:
                 if exc.details.get("stalled"):  # it went silent mid-stream: out of service until it answers
-                    self._mark_failure(decode_server, exc.message, hard=True)
+                    self._mark_failure(moved.served.decode_server, exc.message, hard=True)
                 raise
         finally:
             lines.close()
@@ -225,11 +234,13 @@ class DisaggregatedClient(ServerPool, Transport, Handoff):
                 decode_server.outstanding -= 1
         if final is None:
             raise UpstreamError(f"{decode_server.entry.name} ended its stream without a final line")
+        served = moved.served  # resume hook: the servers that finished the answer
         served.decode = pieces.answer(final)
         if not served.method.local:
             served.method = method_of(served.prefill, served.decode)
-        metrics = served.metrics(started, notes, decision.as_metrics())
-        self._learn(model_key, source, served, metrics, clean=not notes)
+        # resume hook: where it moved, what it recomputed
+        metrics = moved.annotate(served.metrics(started, notes, decision.as_metrics()))
+        self._learn(model_key, source, served, metrics, clean=not notes and not moved.moves)  # resume hook
         self._remember(model_key, metrics)
         yield metrics
 

@@ -16,6 +16,7 @@ from requests.adapters import HTTPAdapter
 from urllib3.exceptions import NewConnectionError, ReadTimeoutError
 
 from .. import chat
+from .. import resume  # issue 42: an answer survives its decode server
 from ..errors import DisaggError, UpstreamError, UpstreamTimeout, from_body
 from ..watch import Watch
 from ..wire import Answer, DecodeAnswer, ErrorLine, Final, Piece, read_line
@@ -60,18 +61,20 @@ class Transport:
         stream = path != "/prefill"
         watch = self._watch(server, path, timeout, body=body)
         lines = self._lines(server, path, {**body, "stream": True} if stream else body, watch)
-        answer = None
+        answer, pieces = None, _Pieces()
         try:
             if not stream:
                 line = next(lines, None)
                 answer = line.body if isinstance(line, Answer) else None
             else:
-                pieces = _Pieces()
                 for line in lines:
                     if isinstance(line, Final):
                         answer = pieces.answer(line).write()
                         break
                     pieces.add(line)
+        except DisaggError as exc:  # resume hook: an answer that broke off mid-way (resume.py)
+            resume.broke_off(self._local, server, pieces.count, exc)
+            raise
         finally:
             lines.close()
         if answer is None:
@@ -146,6 +149,11 @@ class _Pieces:
 
     def __init__(self):
         self.text, self.reasoning, self.calls = [], [], []
+
+    @property
+    def count(self) -> int:
+        """Pieces kept so far (resume hook)."""
+        return len(self.text) + len(self.reasoning) + len(self.calls)
 
     def add(self, piece: Piece) -> tuple[str, object]:
         """Keep a piece; returns (``chat.CONTENT``, ``chat.REASONING`` or ``chat.TOOL_CALL``, what it carries)."""
