@@ -23,7 +23,7 @@ from disaggregated_inference.bench.load import Sample
 from disaggregated_inference.bench.machines import attribute_energy
 from disaggregated_inference.bench.measure import RequestTiming
 from disaggregated_inference.bench.workloads import BenchRequest
-from disaggregated_inference.ops import cli
+from disaggregated_inference import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = [m.name for m in table.METRICS]
@@ -228,7 +228,7 @@ def test_a_peer_that_stops_answering_fails_its_requests_and_the_run_ends_on_time
 @pytest.mark.slow
 def test_ctrl_c_writes_what_was_measured_marked_incomplete(tiny_cluster, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "disaggregated_inference.ops.cli", "bench", "--config",
+    proc = subprocess.Popen([sys.executable, "-m", "disaggregated_inference.cli", "bench", "--config",
                              str(_config(tiny_cluster, tmp_path)), "--workload", "chat", "--duration", "120",
                              "--max-tokens", "4", "--out", str(tmp_path / "o")],
                             cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)

@@ -265,7 +265,7 @@ def _chart_points(page, title: str) -> list[dict]:
 
 def _run_bench(folder: Path) -> dict:
     """A short ``disagg bench`` on the cluster the web interface uses, into the launcher's --bench-out."""
-    from disaggregated_inference.ops import cli
+    from disaggregated_inference import cli
 
     assert cli.main(["bench", "--config", str(folder / "cluster.json"), "--workload", "chat", "--requests", "4",
                      "--max-tokens", "4", "--efficiency-groups", "0", "--out", str(folder / "bench")]) == 0

@@ -276,13 +276,6 @@ def cmd_top(args) -> int:
     return top.run(cfg, interval=args.interval, window=args.window, once=args.once)
 
 
-def cmd_bench(args) -> int:
-    from ..bench.options import from_args
-    from ..bench.run import main as bench
-
-    return bench(from_args(args), _say, print)
-
-
 def cmd_models(args) -> int:
     from ..backends.gguf import BUILTIN
 
@@ -291,7 +284,9 @@ def cmd_models(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(extra=()) -> argparse.ArgumentParser:
+    """The ``disagg`` parser; ``extra``: functions ``(subparsers, with_config)`` that add the commands of the
+    layers above this one (``disaggregated_inference/cli.py`` adds ``disagg bench``)."""
     parser = argparse.ArgumentParser(prog="disagg", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -369,20 +364,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "and exit; 1 when a server is not up")
     p.set_defaults(func=cmd_top)
 
-    p = with_config(sub.add_parser("bench", help="measure a cluster against the design documents' success metrics "
-                                                 "(seed 004), beside peers; writes bench.json, bench.md, charts"))
-    from ..bench.options import add_arguments
-
-    add_arguments(p)
-    p.set_defaults(func=cmd_bench)
-
     p = sub.add_parser("models", help="list the built-in (packaged) models")
     p.set_defaults(func=cmd_models)
+    for add in extra:
+        add(sub, with_config)
     return parser
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv=None, extra=()) -> int:
+    args = build_parser(extra).parse_args(argv)
     try:
         return args.func(args)
     except ConfigError as exc:
@@ -397,5 +387,5 @@ def main(argv=None) -> int:
         return getattr(exc, "exit_code", 130)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the cluster's commands only: the whole ``disagg`` is disaggregated_inference/cli.py
     raise SystemExit(main())
