@@ -33,6 +33,7 @@ from disaggregated_inference.backends.llama_cpp import LlamaCppBackend  # noqa: 
 from disaggregated_inference.errors import CanaryMismatch  # noqa: E402
 from disaggregated_inference.kv.bundle import KIND_LLAMA_SEQ_STATE  # noqa: E402
 from disaggregated_inference.kv.receive import Received  # noqa: E402
+from disaggregated_inference.metrics import ServerFigures  # noqa: E402
 
 TEXT = (ROOT / "README.md").read_text() + (ROOT / "docs" / "ARCHITECTURE.md").read_text()
 
@@ -101,7 +102,7 @@ def prefill_beside(backend, prompt, companion: list[int]) -> Prefilled:
         payload = bytes(backend.export_state(seq))
         canary = backend.canary.make(backend.logits(seq, [tokens[-1]], len(tokens) - 1), backend.engine, alone=True,
                                      deterministic=getattr(backend.settings, "deterministic", False))
-    return Prefilled(KIND_LLAMA_SEQ_STATE, tokens, payload, backend.fingerprint(), {"steps_shared": i},
+    return Prefilled(KIND_LLAMA_SEQ_STATE, tokens, payload, backend.fingerprint(), ServerFigures(),
                      {"canary": canary, "stop": []})
 
 
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
     alone, damaged = [], []
     for prompt in prompts:
         _, pre = prefill.run(prefill.prefill(prompt))
-        row = {"prompt_tokens": len(pre.tokens), "canary_ms": pre.metrics["canary_ms"], **decode(decoder, pre)}
+        row = {"prompt_tokens": len(pre.tokens), "canary_ms": pre.metrics.canary_ms, **decode(decoder, pre)}
         alone.append(row)
         for fraction in (0.01, 0.001):
             damaged.append({"prompt_tokens": len(pre.tokens), "damage": f"last {fraction:.1%} zeroed",

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from importlib.metadata import version as package_version
 from typing import Callable, Iterator
 
+from ..metrics import ServerFigures
 from ..errors import BadRequest, FingerprintMismatch
 from ..kv import fingerprint as fp
 from ..kv.bundle import KIND_LLAMA_SEQ_STATE, KIND_NEUTRAL_KV, KIND_TOKEN_IDS
@@ -297,7 +298,7 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
         if kv_stream is not None:
             metrics["kv_chunk_tokens"] = self.settings.n_batch  # the last chunk's KV is what leaves after the prefill
         return Prefilled(kind=KIND_LLAMA_SEQ_STATE, tokens=tokens, payload=payload, fingerprint=self.fingerprint(),
-                         meta=meta, metrics=metrics)
+                         meta=meta, metrics=ServerFigures.of(**metrics))
 
     def decode(self, received: Received, sampling: Sampling, cancelled) -> Iterator:
         started = time.perf_counter()

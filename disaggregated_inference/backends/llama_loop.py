@@ -23,6 +23,7 @@ import logging
 import os
 import time
 
+from ..metrics import ServerFigures
 from .. import chat
 from ..errors import BadRequest
 from .base import Eval, Event, Sampling, rate
@@ -216,4 +217,4 @@ class TokenLoop:
         if extra["method"] != "kv_handoff":  # the prompt was computed here: say how long it took
             metrics["prefill_time"] = round(t_gen - started, 6)
             metrics["prefill_speed"] = rate(recomputed, t_gen - started)  # the tokens evaluated here
-        yield Event(metrics=metrics)
+        yield Event(metrics=ServerFigures.of(**metrics))

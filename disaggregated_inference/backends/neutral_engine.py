@@ -55,6 +55,7 @@ import codecs
 import time
 from typing import Iterator
 
+from ..metrics import ServerFigures
 from .. import chat
 from ..errors import BadRequest, FingerprintMismatch
 from ..kv import buffers, neutral
@@ -213,14 +214,14 @@ class NeutralKVBackend(Backend):
         canary_time = time.perf_counter() - t3
         return Prefilled(
             kind=KIND_NEUTRAL_KV, tokens=tokens, payload=payload, fingerprint=self.fingerprint(), meta=extra,
-            metrics={"prompt_tokens": len(tokens), "prompt_tokens_evaluated": evaluated,
+            metrics=ServerFigures.of(**{"prompt_tokens": len(tokens), "prompt_tokens_evaluated": evaluated,
                      "tokenize_time": round(tokenize_time, 6), "prefill_time": round(prefill_time, 6),
                      "prefill_speed": rate(evaluated, prefill_time),
                      # streamed: the layers' reads and copies into the payload, made during the prefill (part of it)
                      "kv_read_time" if kv_stream is not None else "kv_export_time": round(export_time, 6),
                      "kv_bytes": len(memoryview(payload).cast("B")),
                      "handoff_mode": "streamed" if kv_stream is not None else "whole",
-                     "canary_ms": round(canary_time * 1000, 3) if "canary" in extra else None},
+                     "canary_ms": round(canary_time * 1000, 3) if "canary" in extra else None}),
         )
 
     def _prefill_streamed(self, tokens, cache, header_meta: dict, sink) -> tuple[dict, object, float]:
@@ -374,7 +375,7 @@ def stream_text(vocab, logits, sample, advance, output: chat.Output, *, budget: 
 
 
 def generation_metrics(tokens, prompt_evaluated: int, generated: int, finish: str, *, started: float, t_gen: float,
-                       first_at: float | None, extra: dict) -> dict:
+                       first_at: float | None, extra: dict) -> ServerFigures:
     """A generation's closing metrics: ``started`` when the request began, ``t_gen`` when the last prompt
     token's evaluation began, ``first_at`` when the first token was sampled (``stream_text``)."""
     ended = time.perf_counter()
@@ -389,4 +390,4 @@ def generation_metrics(tokens, prompt_evaluated: int, generated: int, finish: st
     if extra["method"] != "kv_handoff":
         metrics["prefill_time"] = round(t_gen - started, 6)
         metrics["prefill_speed"] = rate(len(tokens), t_gen - started)
-    return metrics
+    return ServerFigures.of(**metrics)

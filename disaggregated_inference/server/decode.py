@@ -40,7 +40,7 @@ from ..kv.bundle import KIND_NEUTRAL_KV, KIND_TOKEN_IDS
 from ..errors import BadRequest, CanaryMismatch, DisaggError
 from ..kv.receive import fetch
 from .settings import resolve
-from ..metrics import Method
+from ..metrics import ServerFigures
 from ..wire import DecodeAnswer, Final, Piece
 
 log = logging.getLogger(__name__)
@@ -92,12 +92,12 @@ def check_vocabulary(tokens, backend) -> None:
         raise BadRequest(f"'tokens' holds id {max(tokens)}, beyond this model's vocabulary of {size}", field="tokens")
 
 
-def _finish(metrics: dict, extra: dict, first_at: float | None, received_at: float, observe) -> dict:
-    out = {**extra, **metrics}
-    if out.get("method") is not None:  # an engine's word for how it served, one of the documented ones
-        out["method"] = Method(out["method"]).value
-    out["ttft"] = round(first_at - received_at, 6) if first_at is not None else None
-    out["server_time"] = round(time.perf_counter() - received_at, 6)
+def _finish(figures: ServerFigures, extra: dict, first_at: float | None, received_at: float,
+            observe) -> ServerFigures:
+    """The engine's figures over this server's (``extra``), with the times measured here."""
+    out = ServerFigures.of(**extra).with_(**figures.given()).with_(
+        ttft=round(first_at - received_at, 6) if first_at is not None else None,
+        server_time=round(time.perf_counter() - received_at, 6))
     observe(out)
     return out
 
@@ -112,7 +112,7 @@ def event_lines(events, received_at: float, extra: dict, observe, status=None, h
         for event in itertools.chain([head] if head is not None else [], events):
             if event.done:
                 metrics = _finish(event.metrics, extra, first_at, received_at, observe)
-                yield Final(metrics.pop("finish_reason", None), metrics).write()
+                yield Final(metrics.finish_reason, metrics.without("finish_reason")).write()
             else:
                 first_at = first_at or time.perf_counter()
                 if status is not None:
@@ -122,7 +122,7 @@ def event_lines(events, received_at: float, extra: dict, observe, status=None, h
         events.close()
 
 
-def run_events(events, received_at: float, extra: dict, stream: bool, observe=lambda metrics: None):
+def run_events(events, received_at: float, extra: dict, stream: bool, observe=lambda figures: None):
     """Turn a backend's event stream into the JSON or NDJSON answer.
 
     ``ttft`` is measured here, from the moment the request arrived to the first
@@ -132,7 +132,7 @@ def run_events(events, received_at: float, extra: dict, stream: bool, observe=la
     code, and only what fails later becomes the stream's last line.
     """
     if not stream:
-        pieces, reasoning, calls, first_at, metrics = [], [], [], None, {}
+        pieces, reasoning, calls, first_at, metrics = [], [], [], None, ServerFigures()
         for event in events:
             if event.done:
                 metrics = event.metrics
@@ -145,7 +145,7 @@ def run_events(events, received_at: float, extra: dict, stream: bool, observe=la
             else:
                 pieces.append(event.piece)
         metrics = _finish(metrics, extra, first_at, received_at, observe)
-        return web.json_response(DecodeAnswer("".join(pieces), metrics.pop("finish_reason", None), metrics,
+        return web.json_response(DecodeAnswer("".join(pieces), metrics.finish_reason, metrics.without("finish_reason"),
                                               "".join(reasoning) or None, calls or None).write())
 
     head = next(events, None)  # errors before the first event propagate from here
@@ -236,7 +236,7 @@ def _pump(st, incoming, extra: dict) -> None:
     incoming.pump()
     extra.update(incoming.stats())
     if isinstance(incoming.trailer.get("metrics"), dict):
-        extra["prefill_metrics"] = incoming.trailer["metrics"]
+        extra["prefill_metrics"] = ServerFigures.from_dict(incoming.trailer["metrics"])
     _observe_transfer(st, extra, incoming.ref)
 
 
