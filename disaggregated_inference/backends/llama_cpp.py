@@ -335,8 +335,8 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
                                           field="kv")
             yield from self._continue(seq, received.tokens, sampler, output, sampling, cancelled=cancelled,
                                       started=started, recomputed=recomputed, canary=canary, drafts=drafts,
-                                      extra={"kv_load_time": round(load_time, 6), "method": method,
-                                             "prompt_tokens_cached": cached, **streamed, **converted},
+                                      extra=ServerFigures.of(kv_load_time=round(load_time, 6), method=method,
+                                                            prompt_tokens_cached=cached, **streamed, **converted),
                                       evaluated=early)
             keep = received.tokens
         finally:
@@ -356,8 +356,8 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
             yield from self._evaluate_all_but_last(seq, tokens, cached)
             yield from self._continue(seq, tokens, sampler, output, sampling, cancelled=cancelled, started=started,
                                       recomputed=len(tokens) - 1 - cached, drafts=drafts,
-                                      extra={"kv_load_time": 0.0, "method": "decode_only",
-                                             "prompt_tokens_cached": cached})
+                                      extra=ServerFigures(kv_load_time=0.0, method="decode_only",
+                                                         prompt_tokens_cached=cached))
             keep = tokens
         finally:
             sampler.close()

@@ -327,7 +327,7 @@ class VllmBackend(Backend):
         cached = request.cached_tokens
         yield Event(metrics=generation_metrics(
             tokens, len(tokens) - cached, generated, finish, started=started, t_gen=t_gen, first_at=first_at,
-            extra={"kv_load_time": 0.0, "method": method, "prompt_tokens_cached": cached}))
+            extra=ServerFigures(kv_load_time=0.0, method=method, prompt_tokens_cached=cached)))
 
 
 def _publisher(sink, capture, meta: dict) -> Callable[[int, int, int], None]:
