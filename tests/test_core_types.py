@@ -38,8 +38,8 @@ def test_every_line_reads_back_as_it_was_written(line):
 
 
 def test_a_prefill_answer_and_its_kv_reference_read_back_and_go_to_decode_as_the_server_reads_them():
-    answer = PrefillAnswer(kv=read_kv_ref(KV), context=(1, 2, 3), metrics=ServerFigures.of(prefill_time=0.1), prompt_tokens=3,
-                           model="m", model_key="qwen", server="p", fingerprint={"n_vocab": 5})
+    answer = PrefillAnswer(kv=read_kv_ref(KV), context=(1, 2, 3), metrics=ServerFigures(prefill_time=0.1),
+                           prompt_tokens=3, model="m", model_key="qwen", server="p", fingerprint={"n_vocab": 5})
     body = answer.write()
     assert body["kv"] == KV and body["prompt_tokens"] == 3 and body["handoff"] == "llama_seq_state"
     assert PrefillAnswer.read(body) == answer
@@ -59,7 +59,8 @@ def test_a_bad_kv_reference_names_its_field(kv, field):
 
 
 def test_a_decode_answer_reads_back():
-    answer = DecodeAnswer("hi", "tool_calls", ServerFigures.of(method="decode_only"), "why", [{"name": "f", "arguments": "{}"}])
+    answer = DecodeAnswer("hi", "tool_calls", ServerFigures(method=Method.DECODE_ONLY), "why",
+                          [{"name": "f", "arguments": "{}"}])
     assert DecodeAnswer.read(answer.write()) == answer
 
 
@@ -178,7 +179,8 @@ def test_every_engine_reports_typed_figures_that_travel_as_the_wire_writes_them(
     finally:
         backend.close()
     assert isinstance(prefilled.metrics, ServerFigures) and prefilled.metrics.prompt_tokens == len(prefilled.tokens)
-    for events, method in ((decoded, {Method.KV_HANDOFF, Method.TOKEN_IDS_RECOMPUTE}), (generated, {Method.DECODE_ONLY})):
+    for events, method in ((decoded, {Method.KV_HANDOFF, Method.TOKEN_IDS_RECOMPUTE}),
+                           (generated, {Method.DECODE_ONLY})):
         last = [e for e in events if isinstance(e, Event)][-1]
         assert last.done and isinstance(last.metrics, ServerFigures) and last.metrics.method in method
         assert last.metrics.finish_reason in ("stop", "length") and last.metrics.completion_tokens >= 1

@@ -27,13 +27,15 @@ def handoff(model: CostModel, tokens: int, prefill_speed: float, kv_per_token: i
            "kv_export_time": 0.0, "kv_checksum_time": 0.0}
     dec = {"prompt_tokens": tokens + 1, "kv_bytes": kv, "kv_transfer_time": kv / link, "kv_load_time": 0.0,
            "first_token_time": 0.01}
-    model.observe("m", chars or 4 * (tokens + 1), HANDOFF, "p", "d", ServerFigures.of(**pre), ServerFigures.of(**dec), fixed + took + kv / link + 0.01)
+    model.observe("m", chars or 4 * (tokens + 1), HANDOFF, "p", "d", ServerFigures(**pre), ServerFigures(**dec),
+                  fixed + took + kv / link + 0.01)
 
 
 def local(model: CostModel, tokens: int, speed: float, fixed: float = 0.005) -> None:
     took = tokens / speed
     dec = {"prompt_tokens": tokens + 1, "prefill_time": took, "first_token_time": 0.01}
-    model.observe("m", 4 * (tokens + 1), LOCAL, None, "d", ServerFigures(), ServerFigures.of(**dec), fixed + took + 0.01)
+    model.observe("m", 4 * (tokens + 1), LOCAL, None, "d", ServerFigures(), ServerFigures(**dec),
+                  fixed + took + 0.01)
 
 
 def test_the_cold_start_prior_keeps_a_few_tokens_local_and_hands_a_long_prompt_off():

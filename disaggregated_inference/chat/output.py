@@ -154,7 +154,8 @@ class Output:
         return "tool_calls" if self.tool_calls and reason == "stop" else reason
 
     def metrics(self) -> ServerFigures:
-        """What the format read of the generation: its name, the reasoning's tokens (capped or not), the tokens it fed."""
+        """What the format read of the generation: its name, the reasoning's tokens (capped or not), the tokens
+        it fed."""
         return ServerFigures(chat_format=self.format.name, reasoning_tokens=self.reasoning_tokens,
                              reasoning_capped=self.capped if self.cap is not None else None,
                              forced_tokens=self.forced_tokens or None)
