@@ -72,7 +72,7 @@ def outcome(events) -> dict:
         return {"passed": False, **{k: last.details.get(k) for k in ("canary_divergence", "canary_top1_match",
                                                                       "canary_tolerance")}}
     m = last.metrics
-    return {"passed": m["canary"] == "passed", **{k: m.get(k) for k in ("canary_divergence", "canary_top1_match",
+    return {"passed": m.canary == "passed", **{k: getattr(m, k) for k in ("canary_divergence", "canary_top1_match",
                                                                        "canary_tolerance", "canary_check_ms")}}
 
 
@@ -90,9 +90,9 @@ def zero_tail(payload, fraction: float) -> bytes:
     return bytes(data)
 
 
-def prefill_beside(backend, prompt, companion: list[int]) -> Prefilled:
+def prefill_beside(backend, prompt, companion: list[int]) -> tuple[Prefilled, int]:
     """``prompt`` prefilled in steps that each also evaluate one token of another sequence (``companion``'s
-    ids, one per step, as a request generating beside it), its canary step alone."""
+    ids, one per step, as a request generating beside it), its canary step alone; and how many steps it shared."""
     tokens, _ = backend.tokenize(prompt)
     with backend.sequence() as seq, backend.sequence() as other:
         ev, i = Eval(seq, tokens[:-1], 0, logits=False), 0
@@ -103,7 +103,7 @@ def prefill_beside(backend, prompt, companion: list[int]) -> Prefilled:
         canary = backend.canary.make(backend.logits(seq, [tokens[-1]], len(tokens) - 1), backend.engine, alone=True,
                                      deterministic=getattr(backend.settings, "deterministic", False))
     return Prefilled(KIND_LLAMA_SEQ_STATE, tokens, payload, backend.fingerprint(), ServerFigures(),
-                     {"canary": canary, "stop": []})
+                     {"canary": canary, "stop": []}), i
 
 
 def main(argv=None) -> int:
@@ -146,8 +146,8 @@ def main(argv=None) -> int:
     companion = prefill.tokenize(Prompt(text=TEXT[-20000:], raw=True))[0]
     beside = []
     for prompt in prompts:
-        pre = prefill_beside(prefill, prompt, companion)
-        beside.append({"prompt_tokens": len(pre.tokens), **pre.metrics, **decode(decoder, pre)})
+        pre, shared = prefill_beside(prefill, prompt, companion)
+        beside.append({"prompt_tokens": len(pre.tokens), "steps_shared": shared, **decode(decoder, pre)})
     out = {"quick": args.quick, "model": Path(args.model).name, "flash_attn": settings.flash_attn,
            "threads": args.threads, "alone": alone,
            "batched": batched, "beside": beside, "damaged": damaged}
