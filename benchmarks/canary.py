@@ -33,6 +33,7 @@ from disaggregated_inference.backends.llama_cpp import LlamaCppBackend  # noqa: 
 from disaggregated_inference.errors import CanaryMismatch  # noqa: E402
 from disaggregated_inference.kv.bundle import KIND_LLAMA_SEQ_STATE  # noqa: E402
 from disaggregated_inference.kv.receive import Received  # noqa: E402
+from disaggregated_inference.metrics import ServerFigures  # noqa: E402
 
 TEXT = (ROOT / "README.md").read_text() + (ROOT / "docs" / "ARCHITECTURE.md").read_text()
 
@@ -71,7 +72,7 @@ def outcome(events) -> dict:
         return {"passed": False, **{k: last.details.get(k) for k in ("canary_divergence", "canary_top1_match",
                                                                       "canary_tolerance")}}
     m = last.metrics
-    return {"passed": m["canary"] == "passed", **{k: m.get(k) for k in ("canary_divergence", "canary_top1_match",
+    return {"passed": m.canary == "passed", **{k: getattr(m, k) for k in ("canary_divergence", "canary_top1_match",
                                                                        "canary_tolerance", "canary_check_ms")}}
 
 
@@ -89,9 +90,9 @@ def zero_tail(payload, fraction: float) -> bytes:
     return bytes(data)
 
 
-def prefill_beside(backend, prompt, companion: list[int]) -> Prefilled:
+def prefill_beside(backend, prompt, companion: list[int]) -> tuple[Prefilled, int]:
     """``prompt`` prefilled in steps that each also evaluate one token of another sequence (``companion``'s
-    ids, one per step, as a request generating beside it), its canary step alone."""
+    ids, one per step, as a request generating beside it), its canary step alone; and how many steps it shared."""
     tokens, _ = backend.tokenize(prompt)
     with backend.sequence() as seq, backend.sequence() as other:
         ev, i = Eval(seq, tokens[:-1], 0, logits=False), 0
@@ -101,8 +102,8 @@ def prefill_beside(backend, prompt, companion: list[int]) -> Prefilled:
         payload = bytes(backend.export_state(seq))
         canary = backend.canary.make(backend.logits(seq, [tokens[-1]], len(tokens) - 1), backend.engine, alone=True,
                                      deterministic=getattr(backend.settings, "deterministic", False))
-    return Prefilled(KIND_LLAMA_SEQ_STATE, tokens, payload, backend.fingerprint(), {"steps_shared": i},
-                     {"canary": canary, "stop": []})
+    return Prefilled(KIND_LLAMA_SEQ_STATE, tokens, payload, backend.fingerprint(), ServerFigures(),
+                     {"canary": canary, "stop": []}), i
 
 
 def main(argv=None) -> int:
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
     alone, damaged = [], []
     for prompt in prompts:
         _, pre = prefill.run(prefill.prefill(prompt))
-        row = {"prompt_tokens": len(pre.tokens), "canary_ms": pre.metrics["canary_ms"], **decode(decoder, pre)}
+        row = {"prompt_tokens": len(pre.tokens), "canary_ms": pre.metrics.canary_ms, **decode(decoder, pre)}
         alone.append(row)
         for fraction in (0.01, 0.001):
             damaged.append({"prompt_tokens": len(pre.tokens), "damage": f"last {fraction:.1%} zeroed",
@@ -145,8 +146,8 @@ def main(argv=None) -> int:
     companion = prefill.tokenize(Prompt(text=TEXT[-20000:], raw=True))[0]
     beside = []
     for prompt in prompts:
-        pre = prefill_beside(prefill, prompt, companion)
-        beside.append({"prompt_tokens": len(pre.tokens), **pre.metrics, **decode(decoder, pre)})
+        pre, shared = prefill_beside(prefill, prompt, companion)
+        beside.append({"prompt_tokens": len(pre.tokens), "steps_shared": shared, **decode(decoder, pre)})
     out = {"quick": args.quick, "model": Path(args.model).name, "flash_attn": settings.flash_attn,
            "threads": args.threads, "alone": alone,
            "batched": batched, "beside": beside, "damaged": damaged}

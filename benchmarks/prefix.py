@@ -81,8 +81,8 @@ def main() -> None:
                     _, pre = b.run(b.prefill(Prompt(text=text)))
                     results[mode] = pre
                     row[f"{mode}_s"] = round(time.perf_counter() - started, 4)
-                row["prompt_tokens"] = results["cache"].metrics["prompt_tokens"]
-                row["cached_tokens"] = results["cache"].metrics["prompt_tokens_cached"]
+                row["prompt_tokens"] = results["cache"].metrics.prompt_tokens
+                row["cached_tokens"] = results["cache"].metrics.prompt_tokens_cached
                 row["state_identical"] = bytes(results["cache"].payload) == bytes(results["no_cache"].payload)
                 rows.append(row)
                 if not args.json or args.quick:

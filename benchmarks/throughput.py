@@ -165,7 +165,7 @@ def owner_aggregate(threads: int, n: int = 8, max_new: int = 96, n_ctx: int = 10
         for event in owner.stream(lambda backend, cancelled: backend.generate(Prompt(text=prompt(i, CONTEXT_REPEATS)), sampling,
                                                                               cancelled)):
             if event.metrics:
-                tokens[i] = event.metrics["completion_tokens"]
+                tokens[i] = event.metrics.completion_tokens
             else:
                 stamps[i].append(time.perf_counter())
 

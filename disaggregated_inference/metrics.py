@@ -1,7 +1,8 @@
 """A request's metrics: one type, one name per quantity, whichever engine served it.
 
 ``Method`` is how a request was served (the values the documents name);
-``RequestMetrics`` is what ``DisaggregatedClient.generate`` measured and merged
+``ServerFigures`` is what a server reports of one request (its engine's figures and its own), on the wire
+as the answers' ``metrics`` object; ``RequestMetrics`` is what ``DisaggregatedClient.generate`` measured and merged
 from the prefill's and the decode's figures (client/figures.py), given to the
 caller as ``as_dict()``; ``Move`` is one move of a streamed answer from a decode
 server that failed mid-answer to another (resume.py). The engines name the same quantities alike: the prompt's
@@ -11,7 +12,8 @@ This module imports nothing of the package.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import numbers
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 
 
@@ -167,4 +169,152 @@ class RequestMetrics:
         return cls(**values)
 
 
-__all__ = ["Method", "Move", "RequestMetrics"]
+_KINDS = {"int": numbers.Integral, "float": numbers.Real, "str": str, "bool": bool, "Method": Method}
+
+
+@dataclass(frozen=True)
+class ServerFigures:
+    """What a server reports of one request: the figures its engine measured (``Prefilled.metrics``, a
+    generation's last ``Event``) and its own (queueing, transfer, timings), one field per quantity under
+    the names ``RequestMetrics`` uses. A figure not reported is None and not written; one reported as
+    unknown (None) is written as null (``nulls``), so the JSON is what the server meant. ``of`` and
+    ``with_`` take the names (a name that is no field is refused: a renamed quantity fails there); the
+    wire writes ``as_dict`` and reads ``from_dict``."""
+
+    method: Method | None = None  # how the decode server served it (a decode's figures)
+    finish_reason: str | None = None  # an engine's; the servers move it out of the answer's metrics
+    handoff: str | None = None  # the bundle's kind the decode server received
+    handoff_mode: str | None = None
+    handoff_mode_reason: str | None = None
+    # the prompt
+    prompt_tokens: int | None = None
+    prompt_tokens_evaluated: int | None = None
+    prompt_tokens_cached: int | None = None
+    prompt_tokens_recomputed: int | None = None
+    context_tokens: int | None = None
+    tokenize_time: float | None = None
+    prefill_time: float | None = None
+    prefill_speed: float | None = None
+    # the generation
+    completion_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    reasoning_capped: bool | None = None
+    forced_tokens: int | None = None
+    chat_format: str | None = None
+    decode_time: float | None = None
+    decode_speed: float | None = None
+    first_token_time: float | None = None
+    backend_time: float | None = None
+    sample_time: float | None = None
+    ttft: float | None = None
+    server_time: float | None = None
+    queue_time: float | None = None
+    speculation: str | None = None
+    draft_tokens: int | None = None
+    accepted_tokens: int | None = None
+    # the KV
+    kv_bytes: int | None = None
+    kv_state_bytes: int | None = None
+    kv_export_time: float | None = None
+    kv_read_time: float | None = None
+    kv_chunk_tokens: int | None = None
+    kv_convert_time: float | None = None
+    kv_checksum_time: float | None = None
+    kv_load_time: float | None = None
+    kv_import: str | None = None
+    kv_transfer_time: float | None = None
+    kv_transfer_gbps: float | None = None
+    kv_pull_time: float | None = None
+    kv_wait_time: float | None = None
+    kv_pieces: int | None = None
+    kv_exposed_time: float | None = None
+    kv_end_after_prefill_time: float | None = None
+    kv_send_tail_time: float | None = None
+    kv_fetch_to_queue_time: float | None = None
+    fingerprint_checked: bool | None = None
+    # the canary (kv/canary.py)
+    canary: str | None = None
+    canary_ms: float | None = None
+    canary_top1_match: bool | None = None
+    canary_divergence: float | None = None
+    canary_tolerance: float | None = None
+    canary_engines: str | None = None
+    canary_check_ms: float | None = None
+    first_token_matches_prefill: bool | None = None  # Ollama's: the decode's text starts with the prefill's token
+    # an Ollama engine's own timings
+    ollama_load_time: float | None = None
+    ollama_total_time: float | None = None
+    # a streamed handoff: the prefill's figures, from its KV stream's trailer (the decode server passes them on)
+    prefill_metrics: ServerFigures | None = None
+    nulls: frozenset = field(default=frozenset(), repr=False)  # the figures reported as unknown
+
+    def __post_init__(self):
+        if isinstance(self.method, str) and not isinstance(self.method, Method):
+            object.__setattr__(self, "method", Method(self.method))  # an engine's word: one of the documented
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None or f.name == "nulls":
+                continue
+            kind = ServerFigures if f.name == "prefill_metrics" else _KINDS[f.type.split(" |")[0]]
+            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+                raise TypeError(f"the figure {f.name!r} is {type(value).__name__} {value!r}, not {f.type}")
+
+    @classmethod
+    def of(cls, **values) -> ServerFigures:
+        """The figures named (None: reported as unknown, written as null)."""
+        return cls().with_(**values)
+
+    def with_(self, **values) -> ServerFigures:
+        """These figures with ``values`` added or replaced (a name that is no figure: ``ValueError``)."""
+        unknown = set(values) - _FIGURES
+        if unknown:
+            raise ValueError(f"not a server's figure: {', '.join(sorted(unknown))}")
+        nulls = (self.nulls - values.keys()) | {k for k, v in values.items() if v is None}
+        return replace(self, **values, nulls=frozenset(nulls))
+
+    def without(self, *names: str) -> ServerFigures:
+        """These figures with ``names`` not reported."""
+        return replace(self, **dict.fromkeys(names), nulls=self.nulls - set(names))
+
+    def given(self) -> dict:
+        """The figures reported, by name (values as they are: ``method`` a ``Method``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "nulls" and (getattr(self, f.name) is not None or f.name in self.nulls)}
+
+    def as_dict(self) -> dict:
+        """The JSON ``metrics`` object of an answer."""
+        out = self.given()
+        if self.method is not None:
+            out["method"] = self.method.value
+        if self.prefill_metrics is not None:
+            out["prefill_metrics"] = self.prefill_metrics.as_dict()
+        return out
+
+    def __getitem__(self, name: str):
+        """Read as the JSON reads (``KeyError``: not reported): for tests and scripts; the package reads fields."""
+        return self.as_dict()[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.given()
+
+    def get(self, name: str, default=None):
+        return self.as_dict().get(name, default)
+
+    @classmethod
+    def from_dict(cls, metrics: dict) -> ServerFigures:
+        """Back from ``as_dict`` (unknown keys refused: a renamed quantity fails here)."""
+        if not isinstance(metrics, dict):
+            raise ValueError("a server's 'metrics' is a JSON object")
+        values = dict(metrics)
+        if isinstance(values.get("prefill_metrics"), dict):
+            values["prefill_metrics"] = cls.from_dict(values["prefill_metrics"])
+        try:
+            return cls.of(**values)
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
+
+
+_FIGURES = {f.name for f in fields(ServerFigures)} - {"nulls"}
+
+
+__all__ = ["Method", "Move", "RequestMetrics", "ServerFigures"]

@@ -47,6 +47,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from .metrics import ServerFigures
+
 MODES = ("auto", "handoff", "decode_only")
 HANDOFF, LOCAL = "handoff", "decode_only"
 ALPHA = 0.3  # weight of the newest observation in the moving averages
@@ -113,60 +115,60 @@ class CostModel:
     # -- learning -----------------------------------------------------------------------------
 
     def observe(self, model: str, chars: int, path: str, prefill: str | None, decode: str,
-                pre: dict, dec: dict, ttft: float | None) -> None:
+                pre: ServerFigures, dec: ServerFigures, ttft: float | None) -> None:
         """One answered request: ``pre``/``dec`` are the prefill and decode servers' metrics, ``ttft``
         the client's end-to-end time to first token."""
         with self._lock:
-            tokens = dec.get("prompt_tokens") or pre.get("prompt_tokens")
+            tokens = dec.prompt_tokens or pre.prompt_tokens
             if tokens and chars >= MIN_CHARS_FOR_RATIO:
                 self._avg("chars_per_token", model).add(chars / tokens)
-            if (dec.get("completion_tokens") or 0) >= MIN_TOKENS_FOR_SPEED and dec.get("decode_speed"):
-                self._avg("decode_speed", decode).add(float(dec["decode_speed"]))
+            if (dec.completion_tokens or 0) >= MIN_TOKENS_FOR_SPEED and dec.decode_speed:
+                self._avg("decode_speed", decode).add(float(dec.decode_speed))
             if path == HANDOFF:
                 self._observe_handoff(model, prefill, decode, pre, dec, ttft)
             elif path == LOCAL:
                 self._observe_local(decode, dec, ttft)
 
     def _observe_handoff(self, model, prefill, decode, pre, dec, ttft) -> None:
-        evaluated = pre.get("prompt_tokens_evaluated") or 0
-        prefill_time = pre.get("prefill_time") or 0.0
+        evaluated = pre.prompt_tokens_evaluated or 0
+        prefill_time = pre.prefill_time or 0.0
         if evaluated >= MIN_TOKENS_FOR_SPEED and prefill_time > 0:
             self._avg("prefill_speed", prefill).add(evaluated / prefill_time)
         if prefill_time > 0:
             self._avg("prefill_time", prefill).add(prefill_time)
-        kv_bytes = dec.get("kv_bytes") or 0
+        kv_bytes = dec.kv_bytes or 0
         # streamed: the time spent receiving the pieces (not waiting for the prefill); whole: the pull
-        transfer = dec.get("kv_transfer_time") or 0.0
+        transfer = dec.kv_transfer_time or 0.0
         # export (streamed: the rows read chunk by chunk) + checksum + import: the KV's copies, per byte
-        copy = sum(float(x or 0.0) for x in (pre.get("kv_export_time"), pre.get("kv_read_time"),
-                                            pre.get("kv_checksum_time"), dec.get("kv_load_time")))
-        held = max(0, (pre.get("prompt_tokens") or 0) - 1) or evaluated  # the state covers cached tokens too
+        copy = sum(float(x or 0.0) for x in (pre.kv_export_time, pre.kv_read_time,
+                                            pre.kv_checksum_time, dec.kv_load_time))
+        held = max(0, (pre.prompt_tokens or 0) - 1) or evaluated  # the state covers cached tokens too
         if kv_bytes and held > 0:
             self._avg("kv_bytes_per_token", model).add(kv_bytes / held)
         if kv_bytes and transfer > 0:
             self._avg("link", prefill, decode).add(kv_bytes / transfer)
         if kv_bytes and copy > 0:
             self._avg("copy", model).add(kv_bytes / copy)
-        streamed = dec.get("handoff_mode") == "streamed"
-        if streamed and pre.get("kv_chunk_tokens"):
-            self._avg("chunk_tokens", prefill).add(pre["kv_chunk_tokens"])
+        streamed = dec.handoff_mode == "streamed"
+        if streamed and pre.kv_chunk_tokens:
+            self._avg("chunk_tokens", prefill).add(pre.kv_chunk_tokens)
         if ttft is not None:
             if streamed and kv_bytes and held > 0 and transfer > 0 and copy > 0:
                 moved = _exposed(held, kv_bytes / held, prefill_time, kv_bytes / transfer, kv_bytes / copy,
-                                 pre.get("kv_chunk_tokens") or PRIOR_CHUNK_TOKENS)
+                                 pre.kv_chunk_tokens or PRIOR_CHUNK_TOKENS)
             else:
                 moved = transfer + copy
-            parts = prefill_time + moved + float(dec.get("first_token_time") or 0.0)
+            parts = prefill_time + moved + float(dec.first_token_time or 0.0)
             self._avg("fixed", HANDOFF).add(max(0.0, ttft - parts))
 
     def _observe_local(self, decode, dec, ttft) -> None:
         # the tokens it evaluated (a prefix cache hit evaluates fewer than the prompt holds)
-        tokens = dec.get("prompt_tokens_recomputed") or dec.get("prompt_tokens") or 0
-        took = dec.get("prefill_time") or 0.0
+        tokens = dec.prompt_tokens_recomputed or dec.prompt_tokens or 0
+        took = dec.prefill_time or 0.0
         if tokens >= MIN_TOKENS_FOR_SPEED and took > 0:
             self._avg("local_speed", decode).add(tokens / took)
         if ttft is not None:
-            parts = took + float(dec.get("first_token_time") or 0.0)
+            parts = took + float(dec.first_token_time or 0.0)
             self._avg("fixed", LOCAL).add(max(0.0, ttft - parts))
 
     # -- estimating ---------------------------------------------------------------------------

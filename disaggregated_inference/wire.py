@@ -14,7 +14,7 @@ What travels as JSON between ``client`` and the prefill and decode servers:
 
 Each type's ``write()`` gives the JSON object the servers send; ``read_*`` (or the
 type's ``read``) takes such an object back, refusing what is not one. This module
-imports nothing of the package but ``errors``: both sides import it.
+imports nothing of the package but ``errors`` and ``metrics``: both sides import it.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from .errors import BadRequest
+from .metrics import ServerFigures
 
 HANDOFF_MODES = ("whole", "streamed")
 
@@ -89,7 +90,7 @@ class PrefillAnswer:
 
     kv: KVRef
     context: tuple
-    metrics: dict
+    metrics: ServerFigures
     prompt_tokens: int = 0
     model: str | None = None  # as the server's /health names it
     model_key: str | None = None  # the config's key
@@ -109,7 +110,7 @@ class PrefillAnswer:
                 "handoff": self.handoff, "handoff_mode": self.handoff_mode}
         if self.handoff_mode_reason:
             body["handoff_mode_reason"] = self.handoff_mode_reason
-        body.update(metrics=dict(self.metrics), fingerprint=self.fingerprint, kv=self.kv.write())
+        body.update(metrics=self.metrics.as_dict(), fingerprint=self.fingerprint, kv=self.kv.write())
         return body
 
     @classmethod
@@ -121,7 +122,8 @@ class PrefillAnswer:
                     streamed=kv.get("mode") == "streamed", kind=kv.get("kind") or body.get("handoff"),
                     sent_as=kv.get("sent_as"), expires_at=kv.get("expires_at"),
                     lease_seconds=kv.get("lease_seconds"))
-        return cls(kv=ref, context=tuple(body.get("context") or ()), metrics=dict(body.get("metrics") or {}),
+        return cls(kv=ref, context=tuple(body.get("context") or ()),
+                   metrics=ServerFigures.from_dict(body.get("metrics") or {}),
                    prompt_tokens=body.get("prompt_tokens") or len(body.get("context") or ()),
                    model=body.get("model"), model_key=body.get("model_key"), server=body.get("server"),
                    fingerprint=body.get("fingerprint"), handoff_mode=body.get("handoff_mode") or "whole",
@@ -169,10 +171,10 @@ class Final:
     """A decode stream's last line: why it ended and the decode's figures."""
 
     finish_reason: str | None
-    metrics: dict = field(default_factory=dict)
+    metrics: ServerFigures = field(default_factory=ServerFigures)
 
     def write(self) -> dict:
-        return {"done": True, "finish_reason": self.finish_reason, "metrics": self.metrics}
+        return {"done": True, "finish_reason": self.finish_reason, "metrics": self.metrics.as_dict()}
 
 
 @dataclass(frozen=True)
@@ -193,12 +195,13 @@ class DecodeAnswer:
 
     generated_text: str
     finish_reason: str | None
-    metrics: dict = field(default_factory=dict)
+    metrics: ServerFigures = field(default_factory=ServerFigures)
     reasoning: str | None = None
     tool_calls: list | None = None
 
     def write(self) -> dict:
-        body = {"generated_text": self.generated_text, "finish_reason": self.finish_reason, "metrics": self.metrics}
+        body = {"generated_text": self.generated_text, "finish_reason": self.finish_reason,
+                "metrics": self.metrics.as_dict()}
         if self.reasoning:
             body["reasoning"] = self.reasoning
         if self.tool_calls:
@@ -209,7 +212,8 @@ class DecodeAnswer:
     def read(cls, body: dict) -> DecodeAnswer:
         if not isinstance(body, dict):
             raise ValueError("a decode answer is a JSON object")
-        return cls(body.get("generated_text") or "", body.get("finish_reason"), body.get("metrics") or {},
+        return cls(body.get("generated_text") or "", body.get("finish_reason"),
+                   ServerFigures.from_dict(body.get("metrics") or {}),
                    body.get("reasoning"), body.get("tool_calls"))
 
 
@@ -233,7 +237,7 @@ def read_line(line) -> Heartbeat | Piece | Final | ErrorLine | Answer:
         return Heartbeat(status, line.get("tokens"), line.get("evaluated"), line.get("generated"))
     if line.get("done"):
         if "finish_reason" in line:
-            return Final(line.get("finish_reason"), line.get("metrics") or {})
+            return Final(line.get("finish_reason"), ServerFigures.from_dict(line.get("metrics") or {}))
         return Answer({k: v for k, v in line.items() if k != "done"})
     if line.get("reasoning") is not None:
         return Piece(reasoning=line["reasoning"])

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from disaggregated_inference.backends import Backend, Event, ModelSettings, Prefilled, option, register
 from disaggregated_inference.kv.bundle import KIND_TOKEN_IDS
+from disaggregated_inference.metrics import ServerFigures
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,8 @@ class EchoBackend(Backend):
     def prefill(self, prompt) -> Prefilled:
         tokens = list(_text(prompt).encode())
         return Prefilled(kind=KIND_TOKEN_IDS, tokens=tokens, payload=b"", fingerprint=self.fingerprint(),
-                         metrics={"prompt_tokens": len(tokens), "prompt_tokens_evaluated": len(tokens),
-                                  "prefill_time": 0.0})
+                         metrics=ServerFigures(prompt_tokens=len(tokens), prompt_tokens_evaluated=len(tokens),
+                                               prefill_time=0.0))
 
     def decode(self, received, sampling, cancelled):
         received.verify()
@@ -56,9 +57,9 @@ class EchoBackend(Backend):
             if cancelled():
                 break
             yield Event(piece=word if i == 0 else f" {word}")
-        yield Event(metrics={"method": method, "prompt_tokens": len(text.encode()), "completion_tokens": len(words),
-                             "decode_time": round(time.perf_counter() - started, 6),
-                             "finish_reason": "length" if len(words) < len(said) else "stop"})
+        yield Event(metrics=ServerFigures(method=method, prompt_tokens=len(text.encode()), completion_tokens=len(words),
+                                          decode_time=round(time.perf_counter() - started, 6),
+                                          finish_reason="length" if len(words) < len(said) else "stop"))
 
 
 def _text(prompt) -> str:

@@ -102,7 +102,7 @@ def test_check_reports_figures_within_tolerance_and_refuses_beyond_it():
     with pytest.raises(CanaryMismatch) as caught:  # both alone, exact restore: the same change is refused
         policy.check(sent, y, "llama_cpp/cpu", exact=True)
     assert caught.value.details["canary_tolerance"] == 1e-4 and caught.value.status == 422
-    assert policy.check({}, y, "llama_cpp/cpu") == {"canary": "absent"}
+    assert policy.check({}, y, "llama_cpp/cpu").as_dict() == {"canary": "absent"}
 
 
 def test_the_exact_tolerance_needs_the_same_thread_count_on_both_sides():

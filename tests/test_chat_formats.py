@@ -249,8 +249,8 @@ def test_the_reasoning_budget_moves_the_model_to_its_answer():
     parts = out.take("Blue").parts + out.take(".").parts + out.close()
     assert "".join(p.value for p in parts if p.kind == CONTENT) == "Blue."
     assert "".join(out.reasoning) == "one two three four five"
-    assert out.metrics() == {"chat_format": "harmony", "reasoning_tokens": 8, "reasoning_capped": True,
-                             "forced_tokens": 7}
+    assert out.metrics().as_dict() == {"chat_format": "harmony", "reasoning_tokens": 8, "reasoning_capped": True,
+                                       "forced_tokens": 7}
 
 
 def test_default_caps_and_the_answer_that_must_come():

@@ -7,13 +7,14 @@ so it cannot drift from the real one.
 from __future__ import annotations
 
 import inspect
+import json
 from dataclasses import fields
 
 import pytest
 
 from disaggregated_inference.client import DisaggregatedClient
 from disaggregated_inference.errors import BadRequest, PayloadTooLarge
-from disaggregated_inference.metrics import Method, RequestMetrics
+from disaggregated_inference.metrics import Method, RequestMetrics, ServerFigures
 from disaggregated_inference.observe.figures import METHOD_GROUPS
 from disaggregated_inference.request import GenerationRequest, Limits
 from disaggregated_inference.server.parse import parse_decode, parse_generate, parse_prefill
@@ -29,7 +30,7 @@ KV = {"url": "http://127.0.0.1:9001/kv/abc", "handle": "abc", "kind": "llama_seq
 @pytest.mark.parametrize("line", [
     Heartbeat("queued"), Heartbeat("prefill", tokens=100, evaluated=40), Heartbeat("decode", generated=3),
     Piece(text="a"), Piece(reasoning="think"), Piece(tool_call={"name": "f", "arguments": "{}"}),
-    Final("stop", {"method": "kv_handoff", "completion_tokens": 3}),
+    Final("stop", ServerFigures.of(method="kv_handoff", completion_tokens=3)),
     ErrorLine({"error": "busy", "code": "overloaded"}, 503),
 ])
 def test_every_line_reads_back_as_it_was_written(line):
@@ -37,8 +38,8 @@ def test_every_line_reads_back_as_it_was_written(line):
 
 
 def test_a_prefill_answer_and_its_kv_reference_read_back_and_go_to_decode_as_the_server_reads_them():
-    answer = PrefillAnswer(kv=read_kv_ref(KV), context=(1, 2, 3), metrics={"prefill_time": 0.1}, prompt_tokens=3,
-                           model="m", model_key="qwen", server="p", fingerprint={"n_vocab": 5})
+    answer = PrefillAnswer(kv=read_kv_ref(KV), context=(1, 2, 3), metrics=ServerFigures(prefill_time=0.1),
+                           prompt_tokens=3, model="m", model_key="qwen", server="p", fingerprint={"n_vocab": 5})
     body = answer.write()
     assert body["kv"] == KV and body["prompt_tokens"] == 3 and body["handoff"] == "llama_seq_state"
     assert PrefillAnswer.read(body) == answer
@@ -58,7 +59,8 @@ def test_a_bad_kv_reference_names_its_field(kv, field):
 
 
 def test_a_decode_answer_reads_back():
-    answer = DecodeAnswer("hi", "tool_calls", {"method": "decode_only"}, "why", [{"name": "f", "arguments": "{}"}])
+    answer = DecodeAnswer("hi", "tool_calls", ServerFigures(method=Method.DECODE_ONLY), "why",
+                          [{"name": "f", "arguments": "{}"}])
     assert DecodeAnswer.read(answer.write()) == answer
 
 
@@ -132,3 +134,88 @@ def test_the_fake_client_takes_what_the_real_one_takes_and_nothing_else():
         fake.generate("qwen", "hi", max_new_tokens=8)  # not an argument of the real client
     *_, last = StreamingFakeClient().stream("qwen", "hi", parts=True)
     assert RequestMetrics.from_dict(last).completion_tokens >= 0
+
+
+# -- what a server reports of a request: every engine's figures are ServerFigures ------------------------
+
+def _engine(name: str):
+    from disaggregated_inference.backends import ModelSettings, create
+
+    from .conftest import tiny_model_settings
+
+    if name == "echo":
+        from . import echo_engine
+        assert echo_engine.EchoBackend.name == "echo"  # imported: registered
+        settings = ModelSettings(model="echo", backend="echo")
+    else:
+        settings = ModelSettings(**tiny_model_settings())
+    backend = create(settings)
+    backend.load()
+    return backend
+
+
+def _drive(backend, out):
+    """(events, result) of an engine's request: a batched engine's generator run alone, a simple one's."""
+    if hasattr(backend, "run"):
+        return backend.run(out)
+    if not inspect.isgenerator(out):
+        return [], out
+    events = list(out)
+    return events, None
+
+
+@pytest.mark.parametrize("name", ["echo", "llama_cpp"])
+def test_every_engine_reports_typed_figures_that_travel_as_the_wire_writes_them(name):
+    from disaggregated_inference.backends import Event, Prompt, Received, Sampling
+
+    backend = _engine(name)
+    try:
+        prompt, sampling = Prompt(text="Say the regions back: north, south."), Sampling(max_new_tokens=4, temperature=0)
+        _, prefilled = _drive(backend, backend.prefill(prompt))
+        received = Received(prefilled.kind, prefilled.tokens, prefilled.payload, prefilled.fingerprint,
+                            dict(prefilled.meta))
+        decoded, _ = _drive(backend, backend.decode(received, sampling, lambda: False))
+        generated, _ = _drive(backend, backend.generate(prompt, sampling, lambda: False))
+    finally:
+        backend.close()
+    assert isinstance(prefilled.metrics, ServerFigures) and prefilled.metrics.prompt_tokens == len(prefilled.tokens)
+    for events, method in ((decoded, {Method.KV_HANDOFF, Method.TOKEN_IDS_RECOMPUTE}),
+                           (generated, {Method.DECODE_ONLY})):
+        last = [e for e in events if isinstance(e, Event)][-1]
+        assert last.done and isinstance(last.metrics, ServerFigures) and last.metrics.method in method
+        assert last.metrics.finish_reason in ("stop", "length") and last.metrics.completion_tokens >= 1
+    for figures in (prefilled.metrics, last.metrics):  # what the wire writes reads back the same, typed
+        assert ServerFigures.from_dict(json.loads(json.dumps(figures.as_dict()))) == figures
+        assert Final("stop", figures).write()["metrics"] == figures.as_dict()
+
+
+def test_server_figures_refuse_a_figure_they_do_not_name_or_of_the_wrong_type():
+    with pytest.raises(ValueError, match="kv_byte"):
+        ServerFigures.of(kv_byte=3)  # a renamed quantity fails here, not in a dashboard
+    with pytest.raises(ValueError, match="prompt_eval_time"):
+        read_line({"done": True, "finish_reason": "stop", "metrics": {"prompt_eval_time": 0.1}})
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        DecodeAnswer.read({"generated_text": "", "metrics": {"prompt_tokens": "four"}})
+    with pytest.raises(TypeError, match="completion_tokens"):
+        ServerFigures(completion_tokens=1.5)
+    with pytest.raises(ValueError):
+        ServerFigures.of(method="telepathy")
+
+
+def test_server_figures_write_a_figure_reported_unknown_as_null_and_leave_out_what_was_not_reported():
+    figures = ServerFigures.of(prompt_tokens=4, canary_ms=None, method="decode_only")
+    assert figures.as_dict() == {"method": "decode_only", "prompt_tokens": 4, "canary_ms": None}
+    later = figures.with_(ttft=0.25, finish_reason="stop").without("finish_reason", "canary_ms")
+    assert later.as_dict() == {"method": "decode_only", "prompt_tokens": 4, "ttft": 0.25}
+    assert later.method is Method.DECODE_ONLY and "canary_ms" not in later and later["ttft"] == 0.25
+    nested = ServerFigures.of(kv_pieces=3, prefill_metrics=ServerFigures.of(prefill_time=0.5))
+    assert ServerFigures.from_dict(nested.as_dict()) == nested
+    assert set(fields_of(ServerFigures)) >= set(fields_of(RequestMetrics)) - _CLIENT_ONLY  # one name per quantity
+
+
+_CLIENT_ONLY = {"decode_server", "prefill_server", "total_time", "ttft_end_to_end", "decode_connect_retries", "route",
+                "route_reason", "route_estimates", "reasoning", "tool_calls", "warnings"}
+
+
+def fields_of(cls) -> list[str]:
+    return [f.name for f in fields(cls)]

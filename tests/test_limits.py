@@ -14,6 +14,7 @@ from disaggregated_inference.errors import ConfigError, Overloaded
 from disaggregated_inference.kv.lease import LeaseTable
 from disaggregated_inference.server import decode
 from disaggregated_inference.server.settings import ServerSettings, from_cluster
+from disaggregated_inference.metrics import ServerFigures
 
 from .conftest import cluster_config_dict
 
@@ -135,10 +136,10 @@ class VocabBackend(Backend):
     def decode(self, received, sampling, cancelled):
         self.decoded.append(list(received.tokens))
         yield Event(piece="x")
-        yield Event(metrics={"finish_reason": "stop"})
+        yield Event(metrics=ServerFigures.of(finish_reason="stop"))
 
     def generate(self, prompt, sampling, cancelled):
-        yield Event(metrics={"finish_reason": "stop"})
+        yield Event(metrics=ServerFigures.of(finish_reason="stop"))
 
 
 def test_token_ids_beyond_the_vocabulary_are_400_before_queueing():

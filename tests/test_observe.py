@@ -15,6 +15,7 @@ import pytest
 from disaggregated_inference import config as cluster_config
 from disaggregated_inference.observe import figures, sampler as sampler_module, scrape, top
 from disaggregated_inference.server.metrics import ServerMetrics
+from disaggregated_inference.metrics import ServerFigures
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,16 +93,16 @@ def test_figures_of_a_client_history_count_failures_apart_and_fallbacks_as_such(
 
 def test_server_figures_are_the_window_s_increase_of_real_server_metrics():
     pre, dec = servers()
-    pre.observe_prefill({"prefill_time": 9.0, "prefill_speed": 10.0, "prompt_tokens_evaluated": 100}, 1000)
-    dec.observe_decode({"decode_time": 9.0, "method": "kv_handoff", "completion_tokens": 500, "canary": "passed"})
+    pre.observe_prefill(ServerFigures.of(prefill_time=9.0, prefill_speed=10.0, prompt_tokens_evaluated=100), 1000)
+    dec.observe_decode(ServerFigures.of(decode_time=9.0, method="kv_handoff", completion_tokens=500, canary="passed"))
     baseline = sweep(pre, dec, 100.0)
     for time_s in (0.2, 0.3, 0.4):  # within the window: only these count
-        pre.observe_prefill({"prefill_time": time_s, "prefill_speed": 1000.0, "prompt_tokens_evaluated": 30,
-                             "prompt_tokens_cached": 70}, 2000)
-    dec.observe_decode({"decode_time": 1.5, "decode_speed": 40.0, "ttft": 0.08, "method": "kv_handoff",
-                        "completion_tokens": 60, "canary": "passed"})
-    dec.observe_decode({"decode_time": 1.5, "decode_speed": 40.0, "method": "decode_only", "completion_tokens": 40,
-                        "prompt_tokens_recomputed": 10})
+        pre.observe_prefill(ServerFigures.of(prefill_time=time_s, prefill_speed=1000.0, prompt_tokens_evaluated=30,
+                             prompt_tokens_cached=70), 2000)
+    dec.observe_decode(ServerFigures.of(decode_time=1.5, decode_speed=40.0, ttft=0.08, method="kv_handoff",
+                        completion_tokens=60, canary="passed"))
+    dec.observe_decode(ServerFigures.of(decode_time=1.5, decode_speed=40.0, method="decode_only", completion_tokens=40,
+                        prompt_tokens_recomputed=10))
     dec.observe_canary_failure(0.7)
     dec.observe_pull("http://10.0.0.1:8100/kv/abc", 50_000_000, 0.05)
     dec.observe_probe("http://10.0.0.1:8100/kv/probe?bytes=4194304", {"bytes_per_second": 1.25e9, "bytes": 4194304})
@@ -134,10 +135,10 @@ def test_server_figures_are_the_window_s_increase_of_real_server_metrics():
 
 def test_a_restarted_server_s_counters_count_from_zero():
     pre, dec = servers()
-    dec.observe_decode({"completion_tokens": 500})
+    dec.observe_decode(ServerFigures.of(completion_tokens=500))
     before = sweep(pre, dec, 0.0)
     pre, dec = servers()  # a restart: the counters start again
-    dec.observe_decode({"completion_tokens": 20})
+    dec.observe_decode(ServerFigures.of(completion_tokens=20))
     after = sweep(pre, dec, 10.0)
     assert figures.server_model_figures(after, before)["qwen"]["completion_tokens"] == 20
 

@@ -19,6 +19,7 @@ from disaggregated_inference.gateway.app import create_app as create_gateway
 from disaggregated_inference.kv.bundle import KIND_TOKEN_IDS
 from disaggregated_inference.server import decode, prefill
 from disaggregated_inference.http import MAX_JSON_DEPTH
+from disaggregated_inference.metrics import ServerFigures
 
 SEED = 33
 CASES = 25  # per endpoint and kind of damage
@@ -44,16 +45,16 @@ class Bytes(Backend):
 
     def prefill(self, prompt):
         ids = list((prompt.text or "".join(m["content"] for m in prompt.messages)).encode())
-        return Prefilled(KIND_TOKEN_IDS, ids, b"", self.fingerprint(), {"prompt_tokens": len(ids)})
+        return Prefilled(KIND_TOKEN_IDS, ids, b"", self.fingerprint(), ServerFigures.of(prompt_tokens=len(ids)))
 
     def decode(self, received, sampling, cancelled):
         received.verify()
         yield Event(piece=bytes(received.tokens[:sampling.max_new_tokens]).decode(errors="replace"))
-        yield Event(metrics={"method": "token_ids_recompute", "finish_reason": "length"})
+        yield Event(metrics=ServerFigures.of(method="token_ids_recompute", finish_reason="length"))
 
     def generate(self, prompt, sampling, cancelled):
         yield Event(piece="ok")
-        yield Event(metrics={"method": "decode_only", "finish_reason": "length"})
+        yield Event(metrics=ServerFigures.of(method="decode_only", finish_reason="length"))
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import pytest
 from disaggregated_inference import config as cluster_config
 from disaggregated_inference.client import DisaggregatedClient
 from disaggregated_inference.errors import BadRequest, ConfigError
+from disaggregated_inference.metrics import ServerFigures
 from disaggregated_inference.routing import HANDOFF, LOCAL, CostModel, prompt_chars
 
 from .conftest import cluster_config_dict
@@ -26,13 +27,15 @@ def handoff(model: CostModel, tokens: int, prefill_speed: float, kv_per_token: i
            "kv_export_time": 0.0, "kv_checksum_time": 0.0}
     dec = {"prompt_tokens": tokens + 1, "kv_bytes": kv, "kv_transfer_time": kv / link, "kv_load_time": 0.0,
            "first_token_time": 0.01}
-    model.observe("m", chars or 4 * (tokens + 1), HANDOFF, "p", "d", pre, dec, fixed + took + kv / link + 0.01)
+    model.observe("m", chars or 4 * (tokens + 1), HANDOFF, "p", "d", ServerFigures(**pre), ServerFigures(**dec),
+                  fixed + took + kv / link + 0.01)
 
 
 def local(model: CostModel, tokens: int, speed: float, fixed: float = 0.005) -> None:
     took = tokens / speed
     dec = {"prompt_tokens": tokens + 1, "prefill_time": took, "first_token_time": 0.01}
-    model.observe("m", 4 * (tokens + 1), LOCAL, None, "d", {}, dec, fixed + took + 0.01)
+    model.observe("m", 4 * (tokens + 1), LOCAL, None, "d", ServerFigures(), ServerFigures(**dec),
+                  fixed + took + 0.01)
 
 
 def test_the_cold_start_prior_keeps_a_few_tokens_local_and_hands_a_long_prompt_off():
@@ -214,7 +217,7 @@ def streamed_handoff(model: CostModel, tokens: int, prefill_speed: float, kv_per
     dec = {"prompt_tokens": tokens + 1, "kv_bytes": kv, "kv_transfer_time": kv / link, "kv_load_time": kv / copy / 2,
            "first_token_time": 0.01, "handoff_mode": "streamed"}
     ttft = fixed + took + exposed + 0.01
-    model.observe("m", 4 * (tokens + 1), HANDOFF, "p", "d", pre, dec, ttft)
+    model.observe("m", 4 * (tokens + 1), HANDOFF, "p", "d", ServerFigures.of(**pre), ServerFigures.of(**dec), ttft)
     return ttft
 
 

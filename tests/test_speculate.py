@@ -412,7 +412,7 @@ def test_fed_text_after_a_kept_guess_drops_the_unread_guesses_and_goes_after_it(
     assert dropped == [7]  # the guesses 8 and 9, from position 7 on
     assert fed.tokens == [300, 301] and fed.pos == 7 and fed.draft_acceptance is None
     assert look.history == [1, 2, 3, 4, 5, 6, 7, 300, 301]
-    assert look.finish() == {"draft_tokens": 3, "accepted_tokens": 1}
+    assert look.finish().as_dict() == {"draft_tokens": 3, "accepted_tokens": 1}
 
 
 def test_a_kept_guess_the_format_replaces_loses_its_cell():
@@ -428,7 +428,7 @@ def test_a_kept_guess_the_format_replaces_loses_its_cell():
     assert dropped == [4] and look.pos == 4 and look.history == [1, 2, 3, 6]
     fed = look.step([400], room=10, draft=False)
     assert fed.pos == 4 and dropped == [4]  # nothing more to drop
-    assert look.finish() == {"draft_tokens": 2, "accepted_tokens": 0}
+    assert look.finish().as_dict() == {"draft_tokens": 2, "accepted_tokens": 0}
 
 
 def test_drafts_never_crowd_a_prompt_chunk_out_of_the_step(shared_steps):

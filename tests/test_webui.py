@@ -17,6 +17,7 @@ from disaggregated_inference.grading.sandbox import find_sandbox
 from disaggregated_inference.observe.sampler import Sweep
 from disaggregated_inference.ops import lifetime
 from disaggregated_inference.webui import launcher, state
+from disaggregated_inference.metrics import ServerFigures
 
 WEBUI = Path(state.__file__).parent
 APP, DASHBOARD, NAVIGATION = (str(WEBUI / name) for name in ("app.py", "dashboard.py", "navigation.py"))
@@ -177,8 +178,8 @@ def server_sweeps():
     now = time.time()
     first = sweep(now - 10)
     dec = readers[("decode", "qwen")]
-    dec.observe_decode({"decode_time": 0.75, "decode_speed": 50.0, "method": "kv_handoff", "completion_tokens": 40,
-                        "canary": "passed"})
+    dec.observe_decode(ServerFigures.of(decode_time=0.75, decode_speed=50.0, method="kv_handoff", completion_tokens=40,
+                        canary="passed"))
     dec.observe_canary_failure(0.9)
     dec.observe_pull("http://fake-prefill-qwen/kv/x", 4_000_000, 0.004)
     dec.observe_probe("http://fake-prefill-qwen/kv/probe", {"bytes_per_second": 1.25e9})

@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Iterator
 
+from ..metrics import ServerFigures
 from .. import chat
 from ..kv.canary import CanaryPolicy
 from ..kv.receive import Received  # noqa: F401  (part of the interface: what decode() gets)
@@ -146,7 +147,7 @@ class Prefilled:
     tokens: list               # the prompt's token ids
     payload: object            # buffer to hand over (empty for token_ids)
     fingerprint: dict
-    metrics: dict              # prompt_tokens, prefill_time, prefill_speed, ...
+    metrics: ServerFigures     # prompt_tokens, prefill_time, prefill_speed, ...
     meta: dict = field(default_factory=dict)  # backend-specific extras that travel in the bundle header
 
 
@@ -156,7 +157,7 @@ class Event:
     (``{"name", "arguments"}``, the arguments as JSON text), or the final ``metrics``."""
 
     piece: str | None = None
-    metrics: dict | None = None
+    metrics: ServerFigures | None = None
     reasoning: str | None = None
     tool_call: dict | None = None
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from importlib.metadata import version as package_version
 from typing import Callable, Iterator
 
+from ..metrics import ServerFigures
 from ..errors import BadRequest, FingerprintMismatch
 from ..kv import fingerprint as fp
 from ..kv.bundle import KIND_LLAMA_SEQ_STATE, KIND_NEUTRAL_KV, KIND_TOKEN_IDS
@@ -297,7 +298,7 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
         if kv_stream is not None:
             metrics["kv_chunk_tokens"] = self.settings.n_batch  # the last chunk's KV is what leaves after the prefill
         return Prefilled(kind=KIND_LLAMA_SEQ_STATE, tokens=tokens, payload=payload, fingerprint=self.fingerprint(),
-                         meta=meta, metrics=metrics)
+                         meta=meta, metrics=ServerFigures.of(**metrics))
 
     def decode(self, received: Received, sampling: Sampling, cancelled) -> Iterator:
         started = time.perf_counter()
@@ -334,8 +335,8 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
                                           field="kv")
             yield from self._continue(seq, received.tokens, sampler, output, sampling, cancelled=cancelled,
                                       started=started, recomputed=recomputed, canary=canary, drafts=drafts,
-                                      extra={"kv_load_time": round(load_time, 6), "method": method,
-                                             "prompt_tokens_cached": cached, **streamed, **converted},
+                                      extra=ServerFigures.of(kv_load_time=round(load_time, 6), method=method,
+                                                            prompt_tokens_cached=cached, **streamed, **converted),
                                       evaluated=early)
             keep = received.tokens
         finally:
@@ -355,8 +356,8 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
             yield from self._evaluate_all_but_last(seq, tokens, cached)
             yield from self._continue(seq, tokens, sampler, output, sampling, cancelled=cancelled, started=started,
                                       recomputed=len(tokens) - 1 - cached, drafts=drafts,
-                                      extra={"kv_load_time": 0.0, "method": "decode_only",
-                                             "prompt_tokens_cached": cached})
+                                      extra=ServerFigures(kv_load_time=0.0, method="decode_only",
+                                                         prompt_tokens_cached=cached))
             keep = tokens
         finally:
             sampler.close()

@@ -23,6 +23,7 @@ import logging
 import os
 import time
 
+from ..metrics import Method, ServerFigures
 from .. import chat
 from ..errors import BadRequest
 from .base import Eval, Event, Sampling, rate
@@ -152,9 +153,10 @@ class TokenLoop:
             yield ev
         recomputed += 1
         if canary is not None:
-            extra = {**extra, **self.canary.check(canary, self._row_logits(ev.row), self.engine,
-                                                  exact=ev.alone and self._restores_exactly(len(tokens)),
-                                                  threads=self._threads, deterministic=self.settings.deterministic)}
+            extra = extra.with_(**self.canary.check(canary, self._row_logits(ev.row), self.engine,
+                                                    exact=ev.alone and self._restores_exactly(len(tokens)),
+                                                    threads=self._threads,
+                                                    deterministic=self.settings.deterministic).given())
         first_at = time.perf_counter()
         own = None  # a sampler this loop made (the answer's grammar)
         try:
@@ -208,12 +210,12 @@ class TokenLoop:
             "first_token_time": round(first_at - t_gen, 6),
             "backend_time": round(ended - started, 6),
             "finish_reason": output.finish_reason(finish),
-            **output.metrics(),
-            **extra,
+            **output.metrics().given(),
+            **extra.given(),
         }
         if drafts is not None and drafts.speculation:  # not a padding row's guesses alone
-            metrics.update(speculation=sampling.speculation or self.settings.speculation, **look.finish())
-        if extra["method"] != "kv_handoff":  # the prompt was computed here: say how long it took
+            metrics.update(speculation=sampling.speculation or self.settings.speculation, **look.finish().given())
+        if extra.method != Method.KV_HANDOFF:  # the prompt was computed here: say how long it took
             metrics["prefill_time"] = round(t_gen - started, 6)
             metrics["prefill_speed"] = rate(recomputed, t_gen - started)  # the tokens evaluated here
-        yield Event(metrics=metrics)
+        yield Event(metrics=ServerFigures.of(**metrics))

@@ -55,6 +55,7 @@ import codecs
 import time
 from typing import Iterator
 
+from ..metrics import Method, ServerFigures
 from .. import chat
 from ..errors import BadRequest, FingerprintMismatch
 from ..kv import buffers, neutral
@@ -213,14 +214,14 @@ class NeutralKVBackend(Backend):
         canary_time = time.perf_counter() - t3
         return Prefilled(
             kind=KIND_NEUTRAL_KV, tokens=tokens, payload=payload, fingerprint=self.fingerprint(), meta=extra,
-            metrics={"prompt_tokens": len(tokens), "prompt_tokens_evaluated": evaluated,
+            metrics=ServerFigures.of(**{"prompt_tokens": len(tokens), "prompt_tokens_evaluated": evaluated,
                      "tokenize_time": round(tokenize_time, 6), "prefill_time": round(prefill_time, 6),
                      "prefill_speed": rate(evaluated, prefill_time),
                      # streamed: the layers' reads and copies into the payload, made during the prefill (part of it)
                      "kv_read_time" if kv_stream is not None else "kv_export_time": round(export_time, 6),
                      "kv_bytes": len(memoryview(payload).cast("B")),
                      "handoff_mode": "streamed" if kv_stream is not None else "whole",
-                     "canary_ms": round(canary_time * 1000, 3) if "canary" in extra else None},
+                     "canary_ms": round(canary_time * 1000, 3) if "canary" in extra else None}),
         )
 
     def _prefill_streamed(self, tokens, cache, header_meta: dict, sink) -> tuple[dict, object, float]:
@@ -276,7 +277,7 @@ class NeutralKVBackend(Backend):
                                       f"(it accepts {', '.join(self.accepts)})", field="kv")
         yield from self._continue(received.tokens, cache, sampling, output, evaluated=evaluated, cancelled=cancelled,
                                   started=started, canary=canary,
-                                  extra={"kv_load_time": round(load_time, 6), "method": method, **converted})
+                                  extra=ServerFigures.of(kv_load_time=round(load_time, 6), method=method, **converted))
 
     def generate(self, prompt: Prompt, sampling: Sampling, cancelled) -> Iterator[Event]:
         started = time.perf_counter()
@@ -286,7 +287,7 @@ class NeutralKVBackend(Backend):
         cache = self.new_cache()
         evaluated = self._evaluate_all_but_last(tokens, cache)
         yield from self._continue(tokens, cache, sampling, output, evaluated=evaluated, cancelled=cancelled,
-                                  started=started, extra={"kv_load_time": 0.0, "method": "decode_only"})
+                                  started=started, extra=ServerFigures.of(kv_load_time=0.0, method="decode_only"))
 
     def _evaluate_all_but_last(self, tokens, cache) -> int:
         """Evaluate every prompt token but the last into ``cache``; returns how many that was."""
@@ -318,7 +319,7 @@ class NeutralKVBackend(Backend):
         t_gen = time.perf_counter()
         logits = self.evaluate(tokens[-1:], cache)
         if canary is not None:
-            extra = {**extra, **self.canary.check(canary, self.logits_array(logits), self.engine)}
+            extra = extra.with_(**self.canary.check(canary, self.logits_array(logits), self.engine).given())
 
         def advance(step):
             return self.step(step[0], cache) if len(step) == 1 else self.evaluate(step, cache)
@@ -327,7 +328,7 @@ class NeutralKVBackend(Backend):
                                                              budget=budget, cancelled=cancelled)
         metrics = generation_metrics(tokens, evaluated + 1, generated + output.forced_tokens,
                                      output.finish_reason(finish), started=started, t_gen=t_gen, first_at=first_at,
-                                     extra={**output.metrics(), **extra})
+                                     extra=output.metrics().with_(**extra.given()))
         yield Event(metrics=metrics)
 
 
@@ -374,7 +375,7 @@ def stream_text(vocab, logits, sample, advance, output: chat.Output, *, budget: 
 
 
 def generation_metrics(tokens, prompt_evaluated: int, generated: int, finish: str, *, started: float, t_gen: float,
-                       first_at: float | None, extra: dict) -> dict:
+                       first_at: float | None, extra: ServerFigures) -> ServerFigures:
     """A generation's closing metrics: ``started`` when the request began, ``t_gen`` when the last prompt
     token's evaluation began, ``first_at`` when the first token was sampled (``stream_text``)."""
     ended = time.perf_counter()
@@ -384,9 +385,9 @@ def generation_metrics(tokens, prompt_evaluated: int, generated: int, finish: st
         "prompt_tokens": len(tokens), "prompt_tokens_recomputed": prompt_evaluated,
         "completion_tokens": generated, "decode_time": round(decode_time, 6),
         "decode_speed": rate(generated, decode_time), "first_token_time": round(first_at - t_gen, 6),
-        "backend_time": round(ended - started, 6), "finish_reason": finish, **extra,
+        "backend_time": round(ended - started, 6), "finish_reason": finish, **extra.given(),
     }
-    if extra["method"] != "kv_handoff":
+    if extra.method != Method.KV_HANDOFF:
         metrics["prefill_time"] = round(t_gen - started, 6)
         metrics["prefill_speed"] = rate(len(tokens), t_gen - started)
-    return metrics
+    return ServerFigures.of(**metrics)

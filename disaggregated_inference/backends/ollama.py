@@ -69,6 +69,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from ..metrics import ServerFigures
 from ..kv.bundle import KIND_TOKEN_IDS
 from ..errors import (BackendUnavailable, BadRequest, DisaggError, FingerprintMismatch,
                       ModelNotFound, Overloaded, UpstreamError, UpstreamTimeout)
@@ -331,11 +332,11 @@ class OllamaBackend(Backend):
         n_prompt = resp.prompt_eval_count or 0
         return Prefilled(
             kind=KIND_TOKEN_IDS, tokens=tokens, payload=b"", fingerprint=self.fingerprint(),
-            metrics={"prompt_tokens": n_prompt, "context_tokens": len(tokens),
+            metrics=ServerFigures.of(**{"prompt_tokens": n_prompt, "context_tokens": len(tokens),
                      "prefill_time": prefill_time, "prefill_speed": rate(n_prompt, prefill_time),
                      "sample_time": _seconds(resp.eval_duration), "ollama_load_time": _seconds(resp.load_duration),
                      "ollama_total_time": _seconds(resp.total_duration),
-                     "backend_time": round(time.perf_counter() - started, 6)},
+                     "backend_time": round(time.perf_counter() - started, 6)}),
             meta={"ollama_first_token": resp.response or "", "ollama_done_reason": resp.done_reason,
                   "ollama_context_tokens": len(context), "ollama_prompt_eval_count": n_prompt},
         )
@@ -392,7 +393,7 @@ class OllamaBackend(Backend):
             if metrics["first_token_matches_prefill"] is False:
                 log.warning("decode text %r does not start with the prefill's token %r: the prompt boundary in "
                             "the context is off", head, expect)
-        yield Event(metrics=metrics)
+        yield Event(metrics=ServerFigures.of(**metrics))
 
     @staticmethod
     def _metrics(final, lines: int, method: str) -> dict:

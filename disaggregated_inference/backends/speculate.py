@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..errors import BadRequest
+from ..metrics import ServerFigures
 from .base import Eval
 
 PROPOSERS = ("off", "ngram")
@@ -383,8 +384,8 @@ class Lookahead:
         self._at, self._settled = 0, acceptance is None
         return self.ev
 
-    def finish(self) -> dict:
+    def finish(self) -> ServerFigures:
         """The request's speculation figures (a draft in flight counted as verified)."""
         if self.ev is not None and self.ev.complete:
             self._settle()
-        return {"draft_tokens": self.drafted, "accepted_tokens": self.accepted}
+        return ServerFigures(draft_tokens=self.drafted, accepted_tokens=self.accepted)

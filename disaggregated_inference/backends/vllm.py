@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from ..metrics import ServerFigures
 from ..errors import BackendUnavailable, BadRequest, BundleError, ConfigError, FingerprintMismatch
 from ..kv import fingerprint as fp
 from ..kv import neutral
@@ -272,13 +273,13 @@ class VllmBackend(Backend):
         streamed = kv_stream is not None
         return Prefilled(
             kind=KIND_NEUTRAL_KV, tokens=tokens, payload=capture.payload, fingerprint=self.fingerprint(), meta=meta,
-            metrics={"prompt_tokens": len(tokens), "prompt_tokens_evaluated": evaluated,
+            metrics=ServerFigures.of(**{"prompt_tokens": len(tokens), "prompt_tokens_evaluated": evaluated,
                      "prompt_tokens_cached": cached, "tokenize_time": round(tokenize_time, 6),
                      "prefill_time": round(prefill_time, 6), "prefill_speed": rate(evaluated, prefill_time),
                      # the layers' copies out of vLLM's cache, made during the prefill (part of prefill_time)
                      "kv_read_time" if streamed else "kv_export_time": round(capture.copy_seconds, 6),
                      "kv_bytes": len(capture.payload), "handoff_mode": "streamed" if streamed else "whole",
-                     "canary_ms": round(canary_time * 1000, 3) if "canary" in meta else None},
+                     "canary_ms": round(canary_time * 1000, 3) if "canary" in meta else None}),
         )
 
     def decode(self, received: Received, sampling: Sampling, cancelled) -> Iterator[Event]:
@@ -326,7 +327,7 @@ class VllmBackend(Backend):
         cached = request.cached_tokens
         yield Event(metrics=generation_metrics(
             tokens, len(tokens) - cached, generated, finish, started=started, t_gen=t_gen, first_at=first_at,
-            extra={"kv_load_time": 0.0, "method": method, "prompt_tokens_cached": cached}))
+            extra=ServerFigures(kv_load_time=0.0, method=method, prompt_tokens_cached=cached)))
 
 
 def _publisher(sink, capture, meta: dict) -> Callable[[int, int, int], None]:

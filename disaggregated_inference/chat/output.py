@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from .base import ANSWER, CONTENT, REASONING, START, TOOL_CALL, ChatFormat, Part
 from .conversation import Tools
+from ..metrics import ServerFigures
 
 
 @dataclass
@@ -152,13 +153,12 @@ class Output:
         """``tool_calls`` when the model ended by calling tools, else ``reason``."""
         return "tool_calls" if self.tool_calls and reason == "stop" else reason
 
-    def metrics(self) -> dict:
-        out = {"chat_format": self.format.name, "reasoning_tokens": self.reasoning_tokens}
-        if self.cap is not None:
-            out["reasoning_capped"] = self.capped
-        if self.forced_tokens:
-            out["forced_tokens"] = self.forced_tokens
-        return out
+    def metrics(self) -> ServerFigures:
+        """What the format read of the generation: its name, the reasoning's tokens (capped or not), the tokens
+        it fed."""
+        return ServerFigures(chat_format=self.format.name, reasoning_tokens=self.reasoning_tokens,
+                             reasoning_capped=self.capped if self.cap is not None else None,
+                             forced_tokens=self.forced_tokens or None)
 
     # -- internals --------------------------------------------------------------------------------
 

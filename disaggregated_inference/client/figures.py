@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ..metrics import Method, RequestMetrics
+from ..metrics import Method, RequestMetrics, ServerFigures
 from ..wire import DecodeAnswer, PrefillAnswer
 from .servers import TrackedServer
 
@@ -36,12 +36,12 @@ class Served:
     first_piece_at: float | None = None  # a stream: when its first piece arrived
     lines: object = None  # a stream: the decode server's NDJSON lines, open until the last
 
-    def prefill_metrics(self) -> dict:
+    def prefill_metrics(self) -> ServerFigures:
         """The prefill's figures: its /prefill answer's, and for a streamed handoff (answered before the prompt
         was evaluated) those its KV stream ended with, which the decode server passes on."""
-        pre = dict(self.prefill.metrics) if self.prefill is not None else {}
-        pre.update((self.decode.metrics if self.decode is not None else {}).get("prefill_metrics") or {})
-        return pre
+        pre = self.prefill.metrics if self.prefill is not None else ServerFigures()
+        trailer = self.decode.metrics.prefill_metrics if self.decode is not None else None
+        return pre.with_(**trailer.given()) if trailer is not None else pre
 
     def metrics(self, started: float, notes: list, route: dict) -> RequestMetrics:
         """The request's metrics (``started``: when it began; ``notes``: what went wrong on the way;
@@ -52,40 +52,40 @@ class Served:
         dec = self.decode.metrics
         handoff = self.prefill is not None
         evaluated = pre if handoff else dec  # where the prompt was evaluated
-        prompt_tokens = dec.get("prompt_tokens") or pre.get("prompt_tokens") or 0
-        given = {key: dec[key] for key in _CANARY + _SPECULATION if dec.get(key) is not None}
+        prompt_tokens = dec.prompt_tokens or pre.prompt_tokens or 0
+        given = {key: getattr(dec, key) for key in _CANARY + _SPECULATION if getattr(dec, key) is not None}
         if handoff:
-            given["handoff_mode"] = dec.get("handoff_mode") or pre.get("handoff_mode") or "whole"
-            given.update({key: dec.get(key, pre.get(key)) for key in _HANDOFF})
+            given["handoff_mode"] = dec.handoff_mode or pre.handoff_mode or "whole"
+            given.update({key: getattr(dec if key in dec.given() else pre, key) for key in _HANDOFF})
         notes = list(notes) + [f"decode server did not accept the connection, retried once: {m}"
                                for m in self.decode_connect_retries]
         return RequestMetrics(
             method=self.method,
             prefill_server=self.prefill_server.entry.address if self.prefill_server else None,
             decode_server=self.decode_server.entry.address,
-            prefill_time=pre.get("prefill_time", dec.get("prefill_time", 0.0)),
-            decode_time=dec.get("decode_time"),
+            prefill_time=_first(pre.prefill_time, dec.prefill_time, 0.0),
+            decode_time=dec.decode_time,
             total_time=round(time.perf_counter() - started, 6),
             prompt_tokens=prompt_tokens,
-            completion_tokens=dec.get("completion_tokens", 0),
-            prefill_speed=evaluated.get("prefill_speed"),
-            decode_speed=dec.get("decode_speed"),
-            kv_bytes=dec.get("kv_bytes", 0),
-            kv_transfer_time=dec.get("kv_transfer_time", 0.0),
-            kv_load_time=dec.get("kv_load_time"),
-            ttft=dec.get("ttft"),
+            completion_tokens=dec.completion_tokens or 0,
+            prefill_speed=evaluated.prefill_speed,
+            decode_speed=dec.decode_speed,
+            kv_bytes=dec.kv_bytes or 0,
+            kv_transfer_time=_first(dec.kv_transfer_time, 0.0),
+            kv_load_time=dec.kv_load_time,
+            ttft=dec.ttft,
             # a stream's first piece arrives here: measured whole on the client's clock
             ttft_end_to_end=(round(self.first_piece_at - started, 6) if self.first_piece_at is not None
-                             else _end_to_end_ttft(started, self.decode_sent_at, dec.get("ttft"))),
+                             else _end_to_end_ttft(started, self.decode_sent_at, dec.ttft)),
             decode_connect_retries=len(self.decode_connect_retries),
-            prompt_tokens_recomputed=dec.get("prompt_tokens_recomputed"),
-            prompt_tokens_cached=evaluated.get("prompt_tokens_cached"),
+            prompt_tokens_recomputed=dec.prompt_tokens_recomputed,
+            prompt_tokens_cached=evaluated.prompt_tokens_cached,
             finish_reason=self.decode.finish_reason,
-            reasoning_tokens=dec.get("reasoning_tokens"),
+            reasoning_tokens=dec.reasoning_tokens,
             # what the model's chat format read apart from the answer: never part of the text
             reasoning=self.decode.reasoning or None,
             tool_calls=self.decode.tool_calls or None,
-            canary_ms=pre.get("canary_ms"),
+            canary_ms=pre.canary_ms,
             warnings=tuple(notes),
             **route,
             **given,
@@ -94,9 +94,9 @@ class Served:
 
 def method_of(prefilled: PrefillAnswer, decoded: DecodeAnswer | None = None) -> Method:
     """A handoff's method: the decode server's word for it, else what the prefill handed over."""
-    reported = decoded.metrics.get("method") if decoded is not None else None
+    reported = decoded.metrics.method if decoded is not None else None
     if reported:
-        return Method(reported)
+        return reported
     return Method.TOKEN_IDS_RECOMPUTE if prefilled.kv.kind == "token_ids" else Method.KV_HANDOFF
 
 
@@ -114,6 +114,11 @@ def describe_overlap(figures: dict) -> str:
     overlap = figures.get("overlap")
     return (f"{figures.get('request_time') or 0:.2f} s of request time in {figures.get('wall_time') or 0:.2f} s "
             f"of wall time" + (f" ({overlap:.2f} requests in flight on average)" if overlap else ""))
+
+
+def _first(*values):
+    """The first of ``values`` that is not None (a figure reported, else the next, else the default)."""
+    return next((v for v in values if v is not None), None)
 
 
 def _end_to_end_ttft(started: float, decode_sent_at: float, server_ttft: float | None) -> float | None:

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import CanaryMismatch
+from ..metrics import ServerFigures
 
 DEFAULT_TOP_K = 8
 # Max abs log-prob difference allowed when both sides run the same engine on the same kind of
@@ -135,7 +136,7 @@ class CanaryPolicy:
         return fingerprint(logits, self.top_k, engine, alone, threads, deterministic) if self.top_k > 0 else None
 
     def check(self, sent: dict | None, logits, engine: str, exact: bool = False, threads: int | None = None,
-              deterministic: bool = False) -> dict:
+              deterministic: bool = False) -> ServerFigures:
         """Compare; the metrics to report, or ``CanaryMismatch`` when beyond tolerance.
 
         ``exact``: this side evaluated the token alone and its backend restores the state bit for
@@ -147,7 +148,7 @@ class CanaryPolicy:
         reported as ``canary: "absent"`` and passes: refusing it would only force a recompute.
         """
         if not sent:
-            return {"canary": "absent"}
+            return ServerFigures(canary="absent")
         started = time.perf_counter()
         top1, divergence = compare(sent, logits)
         exact = (exact and bool(sent.get("alone")) and sent.get("threads") == threads
@@ -162,4 +163,4 @@ class CanaryPolicy:
                 f"the imported KV does not reproduce the prefill's next-token distribution: divergence "
                 f"{divergence:.4f} > tolerance {tolerance:g} (top-1 {'agrees' if top1 else 'differs'}, "
                 f"{figures['canary_engines']})", field="kv", **{k: v for k, v in figures.items() if k != "canary"})
-        return figures
+        return ServerFigures(**figures)

@@ -46,6 +46,7 @@ from . import bundle, trust
 from .buffers import BufferPool, with_room
 from ..wire import KVRef  # noqa: F401  (the wire's type; fetched here)
 from ..errors import BundleError, DisaggError, LeaseExpired, NotFound, UpstreamError, UpstreamTimeout
+from ..metrics import ServerFigures
 
 
 def _intact() -> None:
@@ -247,7 +248,7 @@ class Incoming:
         if not self.finished:
             raise BundleError(f"the streamed KV bundle from {_origin(self.ref)} is not complete", field="kv")
 
-    def stats(self) -> dict:
+    def stats(self) -> ServerFigures:
         """What the pull measured: bytes, the time spent receiving them, the wait for the prefill, and what
         was left after the prefill's last chunk was evaluated, on the two machines' wall clocks (meaningful
         where they agree, as on one machine): until the last payload byte was in (``kv_exposed_time``),
@@ -265,7 +266,7 @@ class Incoming:
             out["kv_end_after_prefill_time"] = round(max(0.0, self.finished_at - ended), 6)
         if isinstance(self.trailer.get("send_tail_s"), (int, float)):
             out["kv_send_tail_time"] = self.trailer["send_tail_s"]
-        return out
+        return ServerFigures.of(**out)
 
 
 def _pull_error(ref: KVRef, exc: BaseException, stall: float, timeout: float, started: float) -> DisaggError | None:
@@ -291,7 +292,7 @@ def _pull_error(ref: KVRef, exc: BaseException, stall: float, timeout: float, st
 def fetch(ref: KVRef, *, timeout: float, connect_timeout: float = 3.0, api_token: str | None = None,
           max_bytes: int | None = None, pool: BufferPool | None = None,
           socket_buffer: int = 0, sources=None, progress_timeout: float | None = None,
-          room: tuple[int, int] = (0, 0), streamed: bool = False) -> tuple[Received, dict]:
+          room: tuple[int, int] = (0, 0), streamed: bool = False) -> tuple[Received, ServerFigures]:
     """Pull the bundle ``ref`` names. With ``sources`` (see ``trust.py``) a URL on no source is refused
     (403) before any connection is made; the token is sent only to a URL that passed that check.
     ``timeout`` bounds the whole pull, ``progress_timeout`` each wait for bytes.
@@ -330,7 +331,7 @@ def fetch(ref: KVRef, *, timeout: float, connect_timeout: float = 3.0, api_token
                 incoming.pump()
                 received.incoming = None
                 return received, incoming.stats()
-            return received, {"kv_bytes": header.payload_bytes, "handoff_mode": "streamed"}
+            return received, ServerFigures(kv_bytes=header.payload_bytes, handoff_mode="streamed")
         arrived = bundle.receive_bundle(src, allocate=allocate, checksum_alongside=alongside,
                                         preamble=(header, tokens))
     except BaseException as exc:
@@ -345,12 +346,9 @@ def fetch(ref: KVRef, *, timeout: float, connect_timeout: float = 3.0, api_token
     header = arrived.header
     received = Received(header.kind, arrived.tokens, arrived.payload, header.fingerprint, header.meta,
                         verify=functools.partial(_verify, arrived, ref))
-    stats = {
-        "kv_bytes": header.payload_bytes,
-        "kv_transfer_time": round(elapsed, 6),
-        "kv_transfer_gbps": round(header.payload_bytes * 8 / elapsed / 1e9, 3) if elapsed > 0 else None,
-    }
-    return received, stats
+    return received, ServerFigures.of(
+        kv_bytes=header.payload_bytes, kv_transfer_time=round(elapsed, 6),
+        kv_transfer_gbps=round(header.payload_bytes * 8 / elapsed / 1e9, 3) if elapsed > 0 else None)
 
 
 def _unusable(ref: KVRef, exc: bundle.BundleFormatError) -> BundleError:

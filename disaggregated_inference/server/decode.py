@@ -40,7 +40,7 @@ from ..kv.bundle import KIND_NEUTRAL_KV, KIND_TOKEN_IDS
 from ..errors import BadRequest, CanaryMismatch, DisaggError
 from ..kv.receive import fetch
 from .settings import resolve
-from ..metrics import Method
+from ..metrics import ServerFigures
 from ..wire import DecodeAnswer, Final, Piece
 
 log = logging.getLogger(__name__)
@@ -92,17 +92,17 @@ def check_vocabulary(tokens, backend) -> None:
         raise BadRequest(f"'tokens' holds id {max(tokens)}, beyond this model's vocabulary of {size}", field="tokens")
 
 
-def _finish(metrics: dict, extra: dict, first_at: float | None, received_at: float, observe) -> dict:
-    out = {**extra, **metrics}
-    if out.get("method") is not None:  # an engine's word for how it served, one of the documented ones
-        out["method"] = Method(out["method"]).value
-    out["ttft"] = round(first_at - received_at, 6) if first_at is not None else None
-    out["server_time"] = round(time.perf_counter() - received_at, 6)
+def _finish(figures: ServerFigures, extra: ServerFigures, first_at: float | None, received_at: float,
+            observe) -> ServerFigures:
+    """The engine's figures over this server's (``extra``), with the times measured here."""
+    out = extra.with_(**figures.given()).with_(
+        ttft=round(first_at - received_at, 6) if first_at is not None else None,
+        server_time=round(time.perf_counter() - received_at, 6))
     observe(out)
     return out
 
 
-def event_lines(events, received_at: float, extra: dict, observe, status=None, head=None,
+def event_lines(events, received_at: float, extra: ServerFigures, observe, status=None, head=None,
                 first_at: float | None = None):
     """A backend's events as NDJSON lines: ``{"text", "done": false}`` per piece (``reasoning`` and
     ``tool_call`` lines for those, ``_line``), then ``{"done": true,
@@ -112,7 +112,7 @@ def event_lines(events, received_at: float, extra: dict, observe, status=None, h
         for event in itertools.chain([head] if head is not None else [], events):
             if event.done:
                 metrics = _finish(event.metrics, extra, first_at, received_at, observe)
-                yield Final(metrics.pop("finish_reason", None), metrics).write()
+                yield Final(metrics.finish_reason, metrics.without("finish_reason")).write()
             else:
                 first_at = first_at or time.perf_counter()
                 if status is not None:
@@ -122,7 +122,7 @@ def event_lines(events, received_at: float, extra: dict, observe, status=None, h
         events.close()
 
 
-def run_events(events, received_at: float, extra: dict, stream: bool, observe=lambda metrics: None):
+def run_events(events, received_at: float, extra: ServerFigures, stream: bool, observe=lambda figures: None):
     """Turn a backend's event stream into the JSON or NDJSON answer.
 
     ``ttft`` is measured here, from the moment the request arrived to the first
@@ -132,7 +132,7 @@ def run_events(events, received_at: float, extra: dict, stream: bool, observe=la
     code, and only what fails later becomes the stream's last line.
     """
     if not stream:
-        pieces, reasoning, calls, first_at, metrics = [], [], [], None, {}
+        pieces, reasoning, calls, first_at, metrics = [], [], [], None, ServerFigures()
         for event in events:
             if event.done:
                 metrics = event.metrics
@@ -145,7 +145,7 @@ def run_events(events, received_at: float, extra: dict, stream: bool, observe=la
             else:
                 pieces.append(event.piece)
         metrics = _finish(metrics, extra, first_at, received_at, observe)
-        return web.json_response(DecodeAnswer("".join(pieces), metrics.pop("finish_reason", None), metrics,
+        return web.json_response(DecodeAnswer("".join(pieces), metrics.finish_reason, metrics.without("finish_reason"),
                                               "".join(reasoning) or None, calls or None).write())
 
     head = next(events, None)  # errors before the first event propagate from here
@@ -203,16 +203,15 @@ def decoding(st, req, received_at: float, status):
         received, extra = _receive(st, req)
         incoming = received.incoming
         if incoming is not None and received.kind not in st.backend.imports_streamed:
-            _pump(st, incoming, extra)  # this backend takes the bundle whole: all of it first
+            extra = _pump(st, incoming, extra)  # this backend takes the bundle whole: all of it first
             received.incoming = incoming = None
     except BaseException:
         reservation.release()
         raise
     if incoming is not None and received.kind not in st.backend.accepts:
         incoming.close()  # let the backend refuse it (409) without pulling the rest
-    extra["queue_time"] = round(reservation.waited, 6)
-    extra["handoff"] = received.kind
-    extra["kv_fetch_to_queue_time"] = round(time.perf_counter() - received_at, 6)
+    extra = extra.with_(queue_time=round(reservation.waited, 6), handoff=received.kind,
+                        kv_fetch_to_queue_time=round(time.perf_counter() - received_at, 6))
     if received.kind == KIND_TOKEN_IDS:  # the prompt is evaluated here
         status.phase, status.tokens = "prefill", max(0, len(received.tokens) - 1)
     else:
@@ -224,25 +223,25 @@ def decoding(st, req, received_at: float, status):
     del received
     if incoming is not None:  # the rest of the stream, read here while the model's thread imports it
         try:
-            _pump(st, incoming, extra)
+            extra = _pump(st, incoming, extra)
         except BaseException:
             events.close()  # the job stops; its cleanup leaves nothing imported
             raise
     return events, extra
 
 
-def _pump(st, incoming, extra: dict) -> None:
-    """Read a streamed bundle to its end; its figures (and the prefill's, from its trailer) into ``extra``."""
+def _pump(st, incoming, extra: ServerFigures) -> ServerFigures:
+    """Read a streamed bundle to its end: ``extra`` with its figures (and the prefill's, from its trailer)."""
     incoming.pump()
-    extra.update(incoming.stats())
+    extra = extra.with_(**incoming.stats().given())
     if isinstance(incoming.trailer.get("metrics"), dict):
-        extra["prefill_metrics"] = incoming.trailer["metrics"]
+        extra = extra.with_(prefill_metrics=ServerFigures.from_dict(incoming.trailer["metrics"]))
     _observe_transfer(st, extra, incoming.ref)
+    return extra
 
 
 def _receive(st, req):
     settings, pool = st.settings, st.receive_buffers
-    extra: dict = {}
     if req.kv is not None:
         received, extra = fetch(req.kv, timeout=settings.kv_fetch_timeout,
                                 connect_timeout=settings.connect_timeout, api_token=settings.api_token,
@@ -252,11 +251,11 @@ def _receive(st, req):
                                 progress_timeout=settings.kv_progress_timeout, room=st.backend.receive_room(),
                                 streamed=True)
         if received.incoming is None:
-            extra["handoff_mode"] = "whole"
+            extra = extra.with_(handoff_mode="whole")
             _observe_transfer(st, extra, req.kv)
     else:
         received = Received(KIND_TOKEN_IDS, list(req.tokens), b"", req.fingerprint or {})
-        extra = {"kv_bytes": 0, "kv_transfer_time": 0.0}
+        extra = ServerFigures(kv_bytes=0, kv_transfer_time=0.0)
     ours = st.backend.fingerprint()
     # a neutral bundle may come from another engine: the backend checks the weights it names (meta.neutral.model)
     if (req.kv is not None or req.fingerprint) and received.kind != KIND_NEUTRAL_KV:
@@ -267,17 +266,17 @@ def _receive(st, req):
                 received.incoming.close()
             raise
     # bare ids ("tokens"/"context") without a fingerprint: nothing says which tokenizer made them
-    extra["fingerprint_checked"] = bool(req.kv is not None or req.fingerprint)
+    extra = extra.with_(fingerprint_checked=bool(req.kv is not None or req.fingerprint))
     return received, extra
 
 
-def _observe_transfer(st, extra: dict, ref) -> None:
+def _observe_transfer(st, extra: ServerFigures, ref) -> None:
     settings = st.settings
-    st.metrics.observe_pull(ref.url, extra["kv_bytes"], extra["kv_transfer_time"])
-    if extra["kv_transfer_time"] > settings.slow_transfer_seconds:
+    st.metrics.observe_pull(ref.url, extra.kv_bytes, extra.kv_transfer_time)
+    if extra.kv_transfer_time > settings.slow_transfer_seconds:
         st.metrics.slow_transfers.inc()
-        log.warning("slow KV transfer: bytes=%d seconds=%.3f url=%s (continuing)", extra["kv_bytes"],
-                    extra["kv_transfer_time"], ref.url)
+        log.warning("slow KV transfer: bytes=%d seconds=%.3f url=%s (continuing)", extra.kv_bytes,
+                    extra.kv_transfer_time, ref.url)
 
 
 def generate():
@@ -298,10 +297,8 @@ def generating(st, req, status):
                              progress=status)
     status.phase = "prefill"
     st.metrics.decode_only.inc()
-    extra = {"handoff": "none", "kv_bytes": 0, "queue_time": round(events.queue_time, 6)}
-    if tokenize_time is not None:
-        extra["tokenize_time"] = tokenize_time
-    return events, extra
+    return events, ServerFigures(handoff="none", kv_bytes=0, queue_time=round(events.queue_time, 6),
+                                 tokenize_time=tokenize_time)
 
 
 def create_app(config=None, backend=None) -> Flask:

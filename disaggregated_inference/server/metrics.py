@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily
 
 from . import energy, resources
+from ..metrics import ServerFigures
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 SPEED_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000)
@@ -150,18 +151,18 @@ class ServerMetrics:
         Gauge("disagg_receive_buffer_idle_bytes", "Bytes of freed KV receive buffers kept for reuse",
               registry=self.registry).set_function(pool.idle_bytes)
 
-    def observe_prefill(self, metrics: dict, kv_bytes: int) -> None:
+    def observe_prefill(self, figures: ServerFigures, kv_bytes: int) -> None:
         """A /prefill this server answered, with the backend's metrics and the bundle's size."""
-        self.prefill_seconds.observe(metrics.get("prefill_time", 0.0))
-        if metrics.get("prompt_tokens_cached"):
-            self.prompt_tokens_cached.inc(metrics["prompt_tokens_cached"])
-        if metrics.get("prompt_tokens_evaluated"):
-            self.prompt_tokens_evaluated.inc(metrics["prompt_tokens_evaluated"])
-        if metrics.get("prefill_speed"):
-            self.prefill_speed.observe(metrics["prefill_speed"])
-            self.observe_prompt_speed(metrics["prefill_speed"])
-        if metrics.get("canary_ms") is not None:
-            self.canary_seconds.observe(metrics["canary_ms"] / 1000)
+        self.prefill_seconds.observe(figures.prefill_time or 0.0)
+        if figures.prompt_tokens_cached:
+            self.prompt_tokens_cached.inc(figures.prompt_tokens_cached)
+        if figures.prompt_tokens_evaluated:
+            self.prompt_tokens_evaluated.inc(figures.prompt_tokens_evaluated)
+        if figures.prefill_speed:
+            self.prefill_speed.observe(figures.prefill_speed)
+            self.observe_prompt_speed(figures.prefill_speed)
+        if figures.canary_ms is not None:
+            self.canary_seconds.observe(figures.canary_ms / 1000)
         self.kv_bytes.inc(kv_bytes)
 
     def observe_pull(self, url: str, n_bytes: int, seconds: float) -> None:
@@ -181,37 +182,37 @@ class ServerMetrics:
             self.probes[source] = {"bytes_per_second": result["bytes_per_second"], "bytes": result.get("bytes"),
                                    "measured_at": time.time()}
 
-    def observe_decode(self, metrics: dict) -> None:
-        if metrics.get("decode_time") is not None:
-            self.decode_seconds.observe(metrics["decode_time"])
-        if metrics.get("decode_speed"):
-            self.decode_speed.observe(metrics["decode_speed"])
-        if metrics.get("ttft") is not None:
-            self.ttft.observe(metrics["ttft"])
-        if metrics.get("method"):
-            self.handoffs.labels(method=metrics["method"]).inc()
-        if metrics.get("completion_tokens"):
-            self.completion_tokens.inc(metrics["completion_tokens"])
-        if metrics.get("reasoning_tokens"):
-            self.reasoning_tokens.inc(metrics["reasoning_tokens"])
-        if metrics.get("reasoning_capped"):
+    def observe_decode(self, figures: ServerFigures) -> None:
+        if figures.decode_time is not None:
+            self.decode_seconds.observe(figures.decode_time)
+        if figures.decode_speed:
+            self.decode_speed.observe(figures.decode_speed)
+        if figures.ttft is not None:
+            self.ttft.observe(figures.ttft)
+        if figures.method:
+            self.handoffs.labels(method=figures.method.value).inc()
+        if figures.completion_tokens:
+            self.completion_tokens.inc(figures.completion_tokens)
+        if figures.reasoning_tokens:
+            self.reasoning_tokens.inc(figures.reasoning_tokens)
+        if figures.reasoning_capped:
             self.reasoning_capped.inc()
-        if metrics.get("queue_time") is not None:
-            self.queue_seconds.observe(metrics["queue_time"])
-        if metrics.get("prefill_speed"):
-            self.observe_prompt_speed(metrics["prefill_speed"])
-        if metrics.get("prompt_tokens_cached"):
-            self.prompt_tokens_cached.inc(metrics["prompt_tokens_cached"])
-        if metrics.get("prompt_tokens_recomputed"):
-            self.prompt_tokens_evaluated.inc(metrics["prompt_tokens_recomputed"])
-        if metrics.get("canary"):
-            self.canary_checks.labels(result=metrics["canary"]).inc()
-        if metrics.get("canary_divergence") is not None:
-            self.canary_divergence.observe(metrics["canary_divergence"])
-        if metrics.get("draft_tokens"):
-            self.draft_tokens.inc(metrics["draft_tokens"])
-        if metrics.get("accepted_tokens"):
-            self.accepted_tokens.inc(metrics["accepted_tokens"])
+        if figures.queue_time is not None:
+            self.queue_seconds.observe(figures.queue_time)
+        if figures.prefill_speed:
+            self.observe_prompt_speed(figures.prefill_speed)
+        if figures.prompt_tokens_cached:
+            self.prompt_tokens_cached.inc(figures.prompt_tokens_cached)
+        if figures.prompt_tokens_recomputed:
+            self.prompt_tokens_evaluated.inc(figures.prompt_tokens_recomputed)
+        if figures.canary:
+            self.canary_checks.labels(result=figures.canary).inc()
+        if figures.canary_divergence is not None:
+            self.canary_divergence.observe(figures.canary_divergence)
+        if figures.draft_tokens:
+            self.draft_tokens.inc(figures.draft_tokens)
+        if figures.accepted_tokens:
+            self.accepted_tokens.inc(figures.accepted_tokens)
 
     def observe_canary_failure(self, divergence) -> None:
         self.canary_failures.inc()

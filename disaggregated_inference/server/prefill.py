@@ -27,6 +27,7 @@ from ..kv.stream import DONE, StreamingBundle
 from .parse import parse_prefill
 from ..kv.lease import LeaseTable
 from .settings import resolve
+from ..metrics import ServerFigures
 from ..wire import KVRef, PrefillAnswer
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,8 @@ def as_kind(backend, result, kind: str | None):
     if converted is None:
         raise BadRequest(f"this {backend.name} prefill server hands over {result.kind!r}; it cannot convert it to "
                          f"{kind!r}", field="kv_kind")
-    converted.metrics["kv_convert_time"] = round(time.perf_counter() - started, 6)
-    converted.metrics["kv_state_bytes"] = result.metrics.get("kv_bytes")
-    converted.metrics["kv_bytes"] = len(converted.payload)
+    converted.metrics = converted.metrics.with_(kv_convert_time=round(time.perf_counter() - started, 6),
+                                                kv_state_bytes=result.metrics.kv_bytes, kv_bytes=len(converted.payload))
     return converted
 
 
@@ -86,7 +86,7 @@ def prefill_streamed(st, req, prompt, tokenize_time, reservation, started: float
             raise
         st.metrics.observe_prefill(result.metrics, len(memoryview(result.payload).cast("B")))
         trailer_meta = {k: v for k, v in result.meta.items() if k not in streaming.header.meta}
-        streaming.finish({"meta": trailer_meta, "metrics": result.metrics})
+        streaming.finish({"meta": trailer_meta, "metrics": result.metrics.as_dict()})
 
     events = st.owner.stream(job, reservation, status)  # closing it cancels the prefill
     try:
@@ -110,16 +110,15 @@ def prefill_streamed(st, req, prompt, tokenize_time, reservation, started: float
     streaming.on_abandoned = abandoned
     streaming.on_settled(settled)
     header = streaming.header
-    metrics = {"queue_time": round(reservation.waited, 6),
-               "server_time": round(time.perf_counter() - started, 6), "handoff_mode": "streamed"}
-    if tokenize_time is not None:
-        metrics["tokenize_time"] = tokenize_time
+    metrics = ServerFigures(queue_time=round(reservation.waited, 6),
+                            server_time=round(time.perf_counter() - started, 6), handoff_mode="streamed",
+                            tokenize_time=tokenize_time)
     return answer(st, base, header, streaming.tokens, lease, metrics, {
         "crc32c": None, "sent_as": "stream", "mode": "streamed", "expires_at": None,
         "lease_seconds": req.lease_seconds or st.leases.ttl})
 
 
-def answer(st, base: str, header, tokens, lease, metrics: dict, kv: dict) -> dict:
+def answer(st, base: str, header, tokens, lease, metrics: ServerFigures, kv: dict) -> dict:
     settings = st.settings
     ref = KVRef(url=f"{base}/kv/{lease.handle}", handle=lease.handle, bytes=header.payload_bytes,
                 crc32c=kv["crc32c"], streamed=kv["mode"] == "streamed", kind=header.kind, sent_as=kv["sent_as"],
@@ -135,8 +134,8 @@ def answer(st, base: str, header, tokens, lease, metrics: dict, kv: dict) -> dic
         model_key=settings.model.name,
         server=settings.name,
         fingerprint=header.fingerprint,
-        handoff_mode=metrics["handoff_mode"],
-        handoff_mode_reason=metrics.get("handoff_mode_reason"),
+        handoff_mode=metrics.handoff_mode,
+        handoff_mode_reason=metrics.handoff_mode_reason,
     ).write()
 
 
@@ -176,18 +175,15 @@ def prefilled(st, req, base: str, status: progress.Progress) -> dict:
     )
     framed = send.frame_in_place(header, result.tokens, result.payload)
     lease = st.leases.put(header, result.tokens, result.payload, req.lease_seconds, framed=framed)
-    metrics = dict(result.metrics)
+    metrics = result.metrics.with_(kv_checksum_time=round(checksum_time, 6), queue_time=round(reservation.waited, 6),
+                                   server_time=round(time.perf_counter() - started, 6), handoff_mode="whole")
     if tokenize_time is not None:
-        metrics["tokenize_time"] = tokenize_time
-    metrics["kv_checksum_time"] = round(checksum_time, 6)
-    metrics["queue_time"] = round(reservation.waited, 6)
-    metrics["server_time"] = round(time.perf_counter() - started, 6)
-    metrics["handoff_mode"] = "whole"
+        metrics = metrics.with_(tokenize_time=tokenize_time)
     if refused:
-        metrics["handoff_mode_reason"] = refused
+        metrics = metrics.with_(handoff_mode_reason=refused)
     st.metrics.observe_prefill(metrics, header.payload_bytes)
     log.info("prefill tokens=%d kv_bytes=%d time=%.3fs", len(result.tokens), header.payload_bytes,
-             metrics.get("prefill_time", 0.0))
+             metrics.prefill_time or 0.0)
     return answer(st, base, header, result.tokens, lease, metrics, {
         "crc32c": crc, "sent_as": "sendfile" if framed is not None else "frames", "mode": "whole",
         "expires_at": lease.expires_at, "lease_seconds": round(lease.expires_at - time.time(), 3)})
