@@ -214,7 +214,8 @@ def test_server_figures_write_a_figure_reported_unknown_as_null_and_leave_out_wh
 
 
 _CLIENT_ONLY = {"decode_server", "prefill_server", "total_time", "ttft_end_to_end", "decode_connect_retries", "route",
-                "route_reason", "route_estimates", "reasoning", "tool_calls", "warnings"}
+                "route_reason", "route_estimates", "reasoning", "tool_calls", "warnings",
+                "resumed", "tokens_recomputed_by_moves"}  # the client's own: a move between decode servers (resume.py)
 
 
 def fields_of(cls) -> list[str]:
