@@ -144,8 +144,11 @@ def _engine(name: str):
     from .conftest import tiny_model_settings
 
     if name == "echo":
+        from disaggregated_inference.backends import registry
+
         from . import echo_engine
-        assert echo_engine.EchoBackend.name == "echo"  # imported: registered
+        # registered on import; again here, since a test before this one may have reset the registry
+        registry.register("echo", echo_engine.EchoBackend)
         settings = ModelSettings(model="echo", backend="echo")
     else:
         settings = ModelSettings(**tiny_model_settings())
