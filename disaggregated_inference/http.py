@@ -8,6 +8,7 @@ holds a request to before it gives it a thread.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import math
 import re
@@ -17,7 +18,7 @@ import time
 from flask import request
 from werkzeug.exceptions import ClientDisconnected, RequestEntityTooLarge
 
-from .errors import BadRequest, PayloadTooLarge, RequestTimeout
+from .errors import BadRequest, PayloadTooLarge, RequestTimeout, Unauthorized
 
 # Nesting of a whole request body (objects and arrays): far below what Python's recursive JSON encoder,
 # the chat template and the grammar compiler reach (about 1,000), far above what any request needs (a
@@ -159,3 +160,11 @@ def read_body(limit: int, timeout: float) -> bytes:
 # A streamed answer goes out line by line: a reverse proxy in front (nginx) must not hold it back, or the
 # heartbeats by which a client tells a working server from a hung one (progress.py) would not reach it.
 STREAM_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
+
+
+def check_bearer(token: str) -> None:
+    """The request's ``Authorization: Bearer`` against ``token`` (compared in constant time); both Flask apps."""
+    given = request.headers.get("Authorization", "")
+    if not given.startswith("Bearer ") or not hmac.compare_digest(given[7:].encode(), token.encode()):
+        raise Unauthorized("missing or wrong API token (send 'Authorization: Bearer <token>')",
+                           field="Authorization")

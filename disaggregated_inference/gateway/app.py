@@ -11,7 +11,6 @@ Errors are answered in the shape of the API asked: OpenAI's
 """
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import os
@@ -22,8 +21,8 @@ from werkzeug.exceptions import HTTPException
 
 from .. import config as cluster_config
 from ..client import DisaggregatedClient
-from ..errors import DisaggError, ModelNotFound, NoServerAvailable, Unauthorized, UpstreamTimeout
-from ..http import arrival_limits
+from ..errors import DisaggError, ModelNotFound, NoServerAvailable, UpstreamTimeout
+from ..http import arrival_limits, check_bearer
 from .metrics import GatewayMetrics
 from .parse import api_field
 from .ollama_api import ollama
@@ -116,10 +115,7 @@ def _arrive():
     expected = state().api_token
     if not expected or request.path in OPEN_PATHS:
         return None
-    given = request.headers.get("Authorization", "")
-    if not given.startswith("Bearer ") or not hmac.compare_digest(given[7:].encode(), expected.encode()):
-        raise Unauthorized("missing or wrong API token (send 'Authorization: Bearer <token>')",
-                           field="Authorization")
+    check_bearer(expected)
     return None
 
 

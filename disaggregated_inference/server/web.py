@@ -9,7 +9,6 @@ with no app context (``progress.py``).
 """
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import os
@@ -23,7 +22,7 @@ from .. import __version__, backends
 from ..backends import options
 from ..backends.base import Prompt, check_fits
 from ..kv.canary import CanaryPolicy
-from ..errors import DisaggError, ModelNotFound, Unauthorized, UnsupportedMediaType
+from ..errors import DisaggError, ModelNotFound, UnsupportedMediaType
 from ..kv.receive import socket_buffer_in_effect
 from ..tuning import copy_tunable_in_effect
 from .. import http
@@ -113,10 +112,7 @@ def _auth():
     token = state().settings.api_token
     if not token or request.endpoint in OPEN_ENDPOINTS:
         return None
-    given = request.headers.get("Authorization", "")
-    if not given.startswith("Bearer ") or not hmac.compare_digest(given[7:].encode(), token.encode()):
-        raise Unauthorized("missing or wrong API token (send 'Authorization: Bearer <token>')",
-                           field="Authorization")
+    http.check_bearer(token)
     return None
 
 
