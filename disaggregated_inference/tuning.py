@@ -57,10 +57,13 @@ TUNABLES = "GLIBC_TUNABLES"
 NON_TEMPORAL = "glibc.cpu.x86_non_temporal_threshold"
 MIN_NON_TEMPORAL_BYTES = 0x4040  # glibc ignores a smaller threshold
 OPENMP_WAITS = ("auto", "spin", "sleep")  # server.openmp_wait
-# libgomp's spin rounds at a barrier before a thread sleeps, for servers that share their cores: 10,000
-# kept one model at the engine's speed where 1,000 lost a sixth of it, and two busy models as fast as
-# 1,000 did, while libgomp's default (300,000) lost to both there (docs/benchmarks.md).
-SHARED_SPIN_COUNT = 10000
+# libgomp's spin rounds at a barrier before a thread sleeps, for servers that share their cores. 10,000 kept one
+# model near the engine's speed where 1,000 lost a sixth of it, and two busy models as fast as 1,000 did, while
+# libgomp's default (300,000) lost to both there (docs/benchmarks.md). 30,000 since issue 44: a bare token loop
+# of SmolLM2 at 2 threads on the quiet machine ran 150-154 tok/s at 10,000, 155-159 at 30,000 and 160-166 at
+# 100,000 (libgomp's default 156-162), and the decode servers with two models busy ran as fast at 30,000 as at
+# 10,000 (137 against 139 tok/s, 158 against 159 at 8 at once: docs/benchmarks.md, "The spin count").
+SHARED_SPIN_COUNT = 30000
 
 
 def openmp_wait(policy: str, compute_threads: int, cpus: int | None = None, shared: bool = False) -> str:

@@ -148,7 +148,10 @@ class Oracle(Proposer):
 
 
 def loaded(**settings):
-    b = create(ModelSettings.from_dict({**tiny_model_settings(), "parallel": 4, "n_ctx": 1024, **settings}))
+    """The tiny model with speculation off unless a request (or ``settings``) asks for it: the tests compare
+    a request's proposer against none."""
+    b = create(ModelSettings.from_dict({**tiny_model_settings(), "parallel": 4, "n_ctx": 1024, "speculation": "off",
+                                        **settings}))
     b.load()
     b._step_cost = FREE
     return b

@@ -55,8 +55,9 @@ class LlamaCppSettings(ChatSettings):
                                       "evaluates only the rest (off by itself on sliding-window models)")
     type_k: str = option("f16", "the K cache's type (the same on both sides of a handoff)", choices=KV_TYPES)
     type_v: str = option("f16", "the V cache's type (quantized types need flash_attn)", choices=KV_TYPES)
-    speculation: str = option("off", "speculative decoding: off, or ngram (guesses by prompt lookup, verified in "
-                                     "the step); the default of the model's requests, which may name either",
+    speculation: str = option("ngram", "speculative decoding: ngram (guesses by prompt lookup, verified in the "
+                                       "step; drafted only where the measured step cost says a draft pays), or "
+                                       "off; the default of the model's requests, which may name either",
                               choices=PROPOSERS)
     draft_max: int = option(8, "speculation: most guesses one step verifies for a sequence", low=1)
     draft_min_match: int = option(3, "speculation: the shortest n-gram match that may draft (which of those drafts "

@@ -37,11 +37,25 @@ def start_local_cluster(config=None, timeout: float = 600.0, progress=None):
 def deterministic(cfg):
     """``cfg`` with every llama.cpp server's steps batch-invariant (``deterministic``), whatever its model
     entry or the server's own override says: a grade must not depend on what else the cluster was doing
-    (docs/ARCHITECTURE.md, Determinism). Other engines' servers are left as they are."""
+    (docs/ARCHITECTURE.md, Determinism). Other engines' servers are left as they are.
+
+    On the CPU (``n_gpu_layers`` 0) with an f16 V cache, flash attention goes off too: its kernel splits
+    a lone row's attention across the threads, so a lone request would need a padding row to compute as
+    beside others, at about half a plain step's speed; without it the load measures the lone row exact
+    (``model_info.lone_rows_exact``) and the last notebooks of a class, graded alone, decode at 0.9x of
+    plain steps (issue 44; docs/ARCHITECTURE.md, "A lone request's speed"). Prefill and decode servers
+    change alike (flash attention is in the handoff's fingerprint)."""
     def invariant(entry):
-        if entry.settings.get("backend") != "llama_cpp" or entry.settings.get("deterministic") is True:
+        settings = entry.settings
+        if settings.get("backend") != "llama_cpp":
             return entry
-        return replace(entry, settings={**entry.settings, "deterministic": True})
+        changed = {"deterministic": True}
+        if (int(settings.get("n_gpu_layers") or 0) == 0 and settings.get("type_v", "f16") == "f16"
+                and settings.get("flash_attn", True)):
+            changed["flash_attn"] = False
+        if all(settings.get(k) == v for k, v in changed.items()):
+            return entry
+        return replace(entry, settings={**settings, **changed})
 
     return replace(cfg, prefill_servers=[invariant(e) for e in cfg.prefill_servers],
                    decode_servers=[invariant(e) for e in cfg.decode_servers])
