@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/grading.py --json                   # 30 notebooks, --jobs 4, 8, 2: hours here
     .venv/bin/python benchmarks/grading.py --quick --json           # 4 notebooks on tiny models, --jobs 2, 4, 1
     .venv/bin/python benchmarks/grading.py --json --jobs 1 2 4 8 --count 40
+    .venv/bin/python benchmarks/grading.py --json --jobs 4 --execute on off  # the cost of the re-runs
 
 The class is ``grading/classgen.py``'s (the calibration set, varied; the same every run). The
 embedded cluster of ``--config`` (both models, its slots) is started once and warmed; then the
@@ -13,7 +14,12 @@ the notebooks per minute, the wall time, the requests in flight (their own time 
 time), the servers the client marked down and the decode-only fallbacks, the statuses, and what
 the servers saw: the most requests queued for a slot on any server (``/health`` polled every
 0.5 s) and the decode servers' time spent waiting for a slot (``disagg_queue_seconds``).
-``default_jobs`` is what the grader uses when ``--jobs`` is not given, and ``default_vs_best`` its
+``--execute`` says whether each notebook is also re-run in the sandbox (grading/sandbox.py), as
+the command-line grader does by default (``on``, the default here too; ``off``: graded from the
+saved outputs); given ``on off``, every ``--jobs`` value runs once each way, in that order, and the
+JSON's ``execution_cost`` gives each pair's wall times and their ratio. A run with execution on
+records the class's re-runs (``execution``: how many ran, top to bottom, contained, and the sum
+of their seconds, which overlap the model requests). ``default_jobs`` is what the grader uses when ``--jobs`` is not given, and ``default_vs_best`` its
 notebooks per minute over the best run's.
 
 ``--quick`` runs the same on a cluster of generated tiny models (random weights, tests/tiny_models.py;
@@ -32,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import requests
@@ -95,6 +102,7 @@ def queue_seconds(urls: dict[str, str]) -> float:
 
 
 def run_once(target: Path, rubric, client, options, jobs: int, urls: dict[str, str]) -> dict:
+    """Grade the class once at ``jobs`` (into a fresh folder) and say what it took."""
     decode_urls = {name: url for name, url in urls.items() if "decode" in name}
     queued_before = queue_seconds(decode_urls)
     with tempfile.TemporaryDirectory(prefix="grading-bench-") as out, ServerSampler(urls) as sampler:
@@ -106,7 +114,8 @@ def run_once(target: Path, rubric, client, options, jobs: int, urls: dict[str, s
     for r in batch.results:
         statuses[r["status"]] = statuses.get(r["status"], 0) + 1
     return {
-        "jobs": jobs, "notebooks": len(batch.results), "wall_s": run["wall_time_s"], "clock_s": round(clock, 2),
+        "jobs": jobs, "execute": options.execute, "execution": batch.summary.get("execution"),
+        "notebooks": len(batch.results), "wall_s": run["wall_time_s"], "clock_s": round(clock, 2),
         "notebooks_per_minute": run["notebooks_per_minute"], "requests": inf["requests"],
         "requests_in_flight": run["requests_in_flight"], "servers_marked_down": len(run["servers_marked_down"]),
         "marked_down": run["servers_marked_down"], "fallbacks": run["fallbacks"], "statuses": statuses,
@@ -131,6 +140,9 @@ def main(argv=None) -> int:
                              "instead of the half)")
     parser.add_argument("--rubric", default=str(ROOT / "examples" / "rubric.yaml"))
     parser.add_argument("--config", default=str(ROOT / "config_current.json"))
+    parser.add_argument("--execute", nargs="+", choices=("on", "off"), default=["on"],
+                        help="re-run each notebook in the sandbox (on, as the grader's default) or grade from the "
+                             "saved outputs (off); 'on off' runs each --jobs value both ways (default: on)")
     parser.add_argument("--autogroup-nice", type=int,
                         help="Linux: niceness of this run's sessions (see throughput.prioritise)")
     args = quick.apply(parser, parser.parse_args(argv))  # OpenMP threads that sleep at barriers under --quick
@@ -166,12 +178,24 @@ def main(argv=None) -> int:
                 client.generate(model=model, prompt="Say hello.", max_tokens=4)
             chosen = default_jobs(client)
             around = [chosen, 2 * chosen, 1 if args.quick else max(1, chosen // 2)]  # the default first
-            for jobs in args.jobs or list(dict.fromkeys(around)):
-                row = run_once(Path(folder), rubric, client, options, jobs, urls)
-                say(f"--jobs {jobs}: {row['notebooks']} notebooks in {row['wall_s']} s "
+            if "on" in args.execute:
+                from disaggregated_inference.grading.sandbox import find_sandbox
+
+                sandbox, why_not = find_sandbox()
+                say("sandbox: bubblewrap works here: every notebook is re-run" if sandbox else why_not)
+            for jobs, execute in [(j, e) for j in args.jobs or list(dict.fromkeys(around))
+                                  for e in dict.fromkeys(args.execute)]:
+                row = run_once(Path(folder), rubric, client, replace(options, execute=execute == "on"), jobs, urls)
+                say(f"--jobs {jobs} --execute {execute}: {row['notebooks']} notebooks in {row['wall_s']} s "
                     f"({row['notebooks_per_minute']} per minute), {row['servers_marked_down']} servers marked down, "
                     f"{row['fallbacks']} fallbacks\n{json.dumps(row)}")
                 runs.append(row)
+    pairs = {}
+    for r in runs:
+        pairs.setdefault(r["jobs"], {})["on" if r["execute"] else "off"] = r["wall_s"]
+    cost = [{"jobs": j, "wall_s_on": p["on"], "wall_s_off": p["off"],
+             "on_over_off": round(p["on"] / p["off"], 3) if p["off"] else None}
+            for j, p in pairs.items() if "on" in p and "off" in p]
     best = max(runs, key=lambda r: r["notebooks_per_minute"] or 0)
     default_run = next((r for r in runs if r["jobs"] == chosen), None)
     result = {
@@ -184,6 +208,7 @@ def main(argv=None) -> int:
         "best_jobs": best["jobs"],
         "default_vs_best": (round(default_run["notebooks_per_minute"] / best["notebooks_per_minute"], 3)
                             if default_run and best["notebooks_per_minute"] else None),
+        "execution_cost": cost,
         "runs": runs if args.json else [{k: v for k, v in r.items() if k not in ("scores", "marked_down")}
                                         for r in runs],
     }

@@ -270,9 +270,21 @@ def test_engines():
 
 @pytest.mark.slow
 def test_grading():
-    out = run_quick("grading.py")
+    from disaggregated_inference.grading.sandbox import find_sandbox
+
+    out = run_quick("grading.py", "--jobs", "2", "1", "--execute", "on", "off")
     runs = out["runs"]
-    assert out["default_jobs"] == 2 and [r["jobs"] for r in runs] == [2, 4, 1]  # the default, twice it, 1
+    assert out["default_jobs"] == 2
+    assert [(r["jobs"], r["execute"]) for r in runs] == [(2, True), (2, False), (1, True), (1, False)]
+    sandbox, _ = find_sandbox()
+    for r in runs:  # a run with execution on re-ran every notebook where the sandbox works; off, none
+        assert r["execution"]["re_run"] == (4 if r["execute"] and sandbox else 0)
+        if r["execute"] and sandbox:
+            assert r["execution"]["seconds"] > 0
+    assert [(c["jobs"], c["wall_s_on"], c["wall_s_off"]) for c in out["execution_cost"]] == \
+        [(r["jobs"], r["wall_s"], runs[i + 1]["wall_s"]) for i, r in enumerate(runs) if r["execute"]]
+    for c in out["execution_cost"]:
+        assert quotient(c["on_over_off"], c["wall_s_on"], c["wall_s_off"], 3)
     assert "meaningless" in out["models"]  # the quick run says its answers mean nothing
     for r in runs:
         assert r["notebooks"] == 4 == len(r["scores"]) == sum(r["statuses"].values())
