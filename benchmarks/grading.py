@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 import quick  # noqa: E402
 from disaggregated_inference import config as cluster_config  # noqa: E402
-from disaggregated_inference.grading.batch import grade_batch  # noqa: E402
+from disaggregated_inference.grading.batch import StderrProgress, grade_batch  # noqa: E402
 from disaggregated_inference.grading.classgen import generate_class  # noqa: E402
 from disaggregated_inference.grading.connect import default_jobs, open_client  # noqa: E402
 from disaggregated_inference.grading.options import GradingOptions  # noqa: E402
@@ -107,7 +107,8 @@ def run_once(target: Path, rubric, client, options, jobs: int, urls: dict[str, s
     queued_before = queue_seconds(decode_urls)
     with tempfile.TemporaryDirectory(prefix="grading-bench-") as out, ServerSampler(urls) as sampler:
         clock = time.monotonic()
-        batch = grade_batch(target, rubric, client, out, options, force=True, jobs=jobs)
+        batch = grade_batch(target, rubric, client, out, options, force=True, jobs=jobs,
+                            progress=StderrProgress())  # a line per notebook on stderr
         clock = time.monotonic() - clock
     run, inf = batch.summary["run"], batch.summary["inference"]
     statuses: dict[str, int] = {}
