@@ -19,8 +19,8 @@ the command-line grader does by default (``on``, the default here too; ``off``: 
 saved outputs); given ``on off``, every ``--jobs`` value runs once each way, in that order, and the
 JSON's ``execution_cost`` gives each pair's wall times and their ratio. A run with execution on
 records the class's re-runs (``execution``: how many ran, top to bottom, contained, and the sum
-of their seconds, which overlap the model requests). ``default_jobs`` is what the grader uses when ``--jobs`` is not given, and ``default_vs_best`` its
-notebooks per minute over the best run's.
+of their seconds, which overlap the model requests). ``default_jobs`` is what the grader uses
+when ``--jobs`` is not given, and ``default_vs_best`` its notebooks per minute over the best run's.
 
 ``--quick`` runs the same on a cluster of generated tiny models (random weights, tests/tiny_models.py;
 answers cut at 48 tokens): real servers, real pacing and deadlines, answers that mean nothing (the
