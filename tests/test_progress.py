@@ -54,6 +54,21 @@ def test_an_error_is_the_last_line_with_its_http_status():
     assert last["status"] == 500 and last["code"] == "internal_error" and "boom" in last["error"]
 
 
+def test_work_that_is_a_plain_iterator_ends_without_an_error_on_its_thread():
+    # POST /prefill with progress answers from iter([...]); closing it broke the helper thread
+    # (AttributeError, a traceback per request in the prefill server's log) after the answer was sent
+    failures = []
+    previous, threading.excepthook = threading.excepthook, failures.append
+    try:
+        assert list(progress.lines(lambda status: iter([{"done": True, "answer": 1}]), interval=1.0)) == \
+            [{"done": True, "answer": 1}]
+        for thread in [t for t in threading.enumerate() if t.name == "request-work"]:
+            thread.join(2)
+    finally:
+        threading.excepthook = previous
+    assert failures == []
+
+
 def test_the_work_stops_when_the_client_goes_away():
     closed = threading.Event()
 

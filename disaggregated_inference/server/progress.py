@@ -81,8 +81,9 @@ def lines(work: Callable[[Progress], Iterator[dict]], interval: float = HEARTBEA
         except BaseException as exc:  # handed to the writing thread
             out.put(("error", exc))
         finally:
-            if produced is not None:
-                produced.close()
+            close = getattr(produced, "close", None)  # a generator's; a plain iterator has nothing to close
+            if close is not None:
+                close()
 
     threading.Thread(target=run, name="request-work", daemon=True).start()
     try:
