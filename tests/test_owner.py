@@ -248,3 +248,49 @@ def test_a_parked_request_that_is_cancelled_frees_its_slot():
     while (owner.slot_stats()["busy"] or not cleaned) and time.time() < deadline:
         time.sleep(0.01)
     assert cleaned == [True] and owner.slot_stats()["busy"] == 0
+
+
+def test_a_freed_slot_goes_to_the_longest_waiter_not_to_a_newcomer():
+    # threading.Semaphore lets a request arriving just after a release take the slot from the waiter
+    # it woke, which then queues again at the back
+    owner = ready_owner(FakeBackend())
+    held = owner.reserve()
+    order = []
+
+    def wait_in_line(name):
+        reservation = owner.reserve()
+        order.append(name)
+        reservation.release()
+
+    first = threading.Thread(target=wait_in_line, args=("first",))
+    first.start()
+    deadline = time.time() + 5
+    while owner.queued < 1 and time.time() < deadline:
+        time.sleep(0.001)
+    assert owner.queued == 1
+    held.release()
+    newcomer = owner._free.acquire(timeout=0)  # arrives between the release and the waiter's wake-up
+    first.join(5)
+    assert newcomer is False and order == ["first"]
+
+    held = owner.reserve()  # several waiters are served in the order they came
+    threads = [threading.Thread(target=wait_in_line, args=(f"w{i}",)) for i in range(4)]
+    for i, t in enumerate(threads):
+        t.start()
+        while owner.queued < i + 1 and time.time() < deadline:
+            time.sleep(0.001)
+    held.release()
+    for t in threads:
+        t.join(5)
+    assert order == ["first", "w0", "w1", "w2", "w3"]
+
+
+def test_a_waiter_whose_time_runs_out_leaves_the_line():
+    owner = ready_owner(FakeBackend(), queue_timeout=0.05)
+    held = owner.reserve()
+    with pytest.raises(Overloaded):
+        owner.reserve()
+    held.release()
+    again = owner.reserve()  # the slot is free, not promised to the waiter that gave up
+    assert owner.slot_stats()["busy"] == 1
+    again.release()

@@ -143,7 +143,8 @@ class Slots:
         Single tokens (generating sequences) all go in; then each prompt's next
         chunk of up to ``n_batch`` tokens (chunk boundaries at multiples of
         ``n_batch`` from position 0, so a prompt's numerics depend neither on what
-        ran beside it nor on a cached prefix) while room is left. An ``Eval``
+        ran beside it nor on a cached prefix) while room is left, the oldest
+        request's first (``evals`` come in the order the requests started). An ``Eval``
         whose tokens are all in gets ``row``. Without ``deterministic`` that is one
         ``llama_decode``; with it, ``_evaluate_invariant``.
 
@@ -171,8 +172,11 @@ class Slots:
                     ev.draft_acceptance = None
         elif self._step_cost is not None:  # alone with deterministic steps, a guess may take the padding row
             cut_drafts(evals, self._step_cost, self._n_ubatch, rows=2 if deterministic and self._free_row else 1)
-        # singles and speculative steps first, then chunks
-        for ev in sorted(evals, key=lambda e: (1 if e.draft_acceptance is not None else len(e.tokens) - e.done, e.seq)):
+        # singles and speculative steps first, then prompt chunks in the order their requests came (the
+        # owner lists them so): by fewest tokens left, a prompt whose slot kept being refilled with newer
+        # prompts of a lower id waited for all of them (two of sixteen at 8 at once took 45 s, not 18)
+        for ev in sorted(evals, key=lambda e: 0 if e.draft_acceptance is not None or len(e.tokens) - e.done <= 1
+                         else 1):
             left = len(ev.tokens) - ev.done
             if ev.draft_acceptance is not None:  # whole, in this step: its rows are read together
                 del ev.tokens[max(1, room - used):]

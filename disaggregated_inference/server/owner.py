@@ -50,6 +50,43 @@ def _is_eval(item) -> bool:
     return hasattr(item, "seq") and hasattr(item, "tokens")
 
 
+class FairSlots:
+    """A counting semaphore that hands a freed slot to the request that has waited longest.
+
+    ``threading.Semaphore`` lets a newcomer take a slot between a release and the wake-up of the
+    waiter it notified, and a waiter that loses goes to the back of the line: with more requests
+    than slots and clients that send their next request as soon as the last is answered, one can
+    wait again and again. Here a release gives the slot to the first waiter directly; a newcomer
+    takes a free slot only when nobody waits."""
+
+    def __init__(self, slots: int):
+        self._lock = threading.Lock()
+        self._free = slots
+        self._waiters: deque[threading.Event] = deque()
+
+    def acquire(self, timeout: float | None = None) -> bool:
+        with self._lock:
+            if self._free and not self._waiters:
+                self._free -= 1
+                return True
+            turn = threading.Event()
+            self._waiters.append(turn)
+        if turn.wait(timeout):
+            return True
+        with self._lock:
+            if turn.is_set():  # handed a slot as the wait ran out
+                return True
+            self._waiters.remove(turn)
+            return False
+
+    def release(self) -> None:
+        with self._lock:
+            if self._waiters:
+                self._waiters.popleft().set()
+            else:
+                self._free += 1
+
+
 class Reservation:
     """A slot held for one request, from before its work starts until it ends (or is given back)."""
 
@@ -107,7 +144,7 @@ class ModelOwner:
         self.slots = getattr(backend, "slots", 1)
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
-        self._free = threading.Semaphore(self.slots)
+        self._free = FairSlots(self.slots)
         self._busy = 0
         self._waiting = 0
         self.state = "loading"
@@ -290,7 +327,7 @@ class ModelOwner:
             for task in [t for t in active if t.pending is not None and not _is_eval(t.pending)]:
                 if task.pending.ready():
                     self._advance(task, active)
-            pending = [t for t in active if _is_eval(t.pending)]
+            pending = [t for t in active if _is_eval(t.pending)]  # in the order the requests started
             self.active = len(active)
             if not pending:
                 continue
