@@ -235,3 +235,17 @@ def test_openmp_reads_the_policy_from_the_environment_we_build(policy, group, sp
     if line is None:
         pytest.skip(f"this {library} build does not use GNU OpenMP")
     assert int(line.split("=", 1)[1].strip(" '")) == spins, line
+
+
+def test_a_prefill_server_loads_its_model_without_speculation():
+    # a prefill server never samples: no proposer, no step cost measured at load; a decode server keeps
+    # the model's setting (ngram by default), and /health reports each as loaded
+    data = _config()
+    data["models"]["smollm2"] = {"backend": "llama_cpp", "model": "smollm2"}
+    cfg = cluster_config.from_dict(data)
+    prefill = from_cluster(cfg, cfg.prefill_servers[0].name)
+    decode = from_cluster(cfg, cfg.decode_servers[0].name)
+    assert prefill.model.speculation == decode.model.speculation == "ngram"
+    assert prefill.engine_model.speculation == "off" and decode.engine_model.speculation == "ngram"
+    assert prefill.engine_model.draft_max == prefill.model.draft_max  # the step's room is the same
+    assert decode.engine_model is decode.model

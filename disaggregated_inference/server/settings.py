@@ -33,6 +33,15 @@ class ServerSettings(cluster_config.ServerOptions):
     core_group: str = ""  # the servers sharing this one's cores (server/cores.py); "" = none
 
     @property
+    def engine_model(self) -> ModelSettings:
+        """The model's settings as this server loads them. A prefill server never samples, so it never
+        speculates: it loads without a proposer and skips measuring the step cost speculation needs
+        (about 20 small steps at load)."""
+        if self.role == "prefill" and getattr(self.model, "speculation", "off") != "off":
+            return replace(self.model, speculation="off")
+        return self.model
+
+    @property
     def trusted_kv_sources(self) -> tuple:
         return (*self.kv_peers, *self.kv_sources)
 

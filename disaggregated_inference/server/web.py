@@ -72,7 +72,7 @@ def create_base_app(settings: ServerSettings, backend=None, leases=None) -> Flas
     configure_logging()
     app = Flask(f"disaggregated_inference.{settings.role}")
     app.json.sort_keys = False
-    backend = backend or backends.create(settings.model)
+    backend = backend or backends.create(settings.engine_model)
     backend.canary = CanaryPolicy.from_settings(settings)
     owner = ModelOwner(backend, settings.queue_timeout, settings.max_queue, cores=cores.for_server(settings, backend))
     st = ServerContext(settings, owner, leases=leases,
@@ -139,7 +139,7 @@ def health():
         "aliases": list(settings.aliases),
         "loaded": owner.ready,
         "backend": settings.model.backend,
-        "options": options.values(settings.model),  # the model's settings, as its engine declares them
+        "options": options.values(settings.engine_model),  # the model's settings as loaded, as its engine declares them
         "handoff": getattr(owner.backend, "handoff_kind", None),
         "accepts": list(getattr(owner.backend, "accepts", ())),  # bundle kinds its /decode continues
         # whole bundles, and streamed ones (the overlapped handoff): what a prefill server sends, what a
