@@ -231,6 +231,7 @@ def run_level(client: DisaggregatedClient, models, level: int, requests_n: int, 
 
 
 AUTOGROUP_NICE: int | None = None
+FLASH_ATTN: bool | None = None  # --flash-attn: every model's, else each model's own (the grader's CPU servers: off)
 
 
 def prioritise(pid: int | str = "self") -> None:
@@ -253,6 +254,8 @@ def cluster_config(parallel: int, threads: int, tiny: bool = False, models=("qwe
         model["n_threads"] = threads
         if deterministic is not None:
             model["deterministic"] = deterministic
+        if FLASH_ATTN is not None:
+            model["flash_attn"] = FLASH_ATTN
     data["client"].update(health_check_interval=0, prefill_timeout=600, decode_timeout=900)
     data["server"].update(queue_timeout=600, max_queue=256)
     return data
@@ -431,6 +434,9 @@ def main(argv=None) -> int:
     parser.add_argument("--detailed", action="store_true", help="every request's figures in each level")
     parser.add_argument("--no-deterministic-cost", action="store_true",
                         help="skip measuring deterministic on against off")
+    parser.add_argument("--flash-attn", choices=("config", "on", "off"), default="config",
+                        help="every model's flash attention (config: each model's own); the grader runs its CPU "
+                             "servers with it off (grading/connect.py), where a lone deterministic row needs no padding")
     parser.add_argument("--deterministic-only", action="store_true",
                         help="measure deterministic on against off only (no bare loop, rounds or levels)")
     serving_metrics.add_slo_argument(parser)
@@ -439,8 +445,9 @@ def main(argv=None) -> int:
     quick.apply(parser, args, levels=[1, 8], models=["qwen"], max_tokens=16, rounds=1, engine_tokens=128,
                 detailed=True)
     slos = dict(args.slo)
-    global AUTOGROUP_NICE
+    global AUTOGROUP_NICE, FLASH_ATTN
     AUTOGROUP_NICE = args.autogroup_nice
+    FLASH_ATTN = {"on": True, "off": False}.get(args.flash_attn)
     prioritise()
 
     say = quick.say
@@ -450,7 +457,7 @@ def main(argv=None) -> int:
                                          args.models, args.max_tokens, slos)
         print(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                       "threads": args.threads},
-                          "quick": args.quick, "models": args.models, "engine_tokens": args.engine_tokens,
+                          "flash_attn": args.flash_attn, "quick": args.quick, "models": args.models, "engine_tokens": args.engine_tokens,
                           "max_tokens": args.max_tokens, "deterministic": determinism}, indent=2 if args.json else None))
         return 0
     bare_sizes, bare_steps = ((1, 8), 32) if args.quick else ((1, 4, 8, 16), 96)
@@ -493,7 +500,7 @@ def main(argv=None) -> int:
                                                       if eight and s8 else None)
     result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "threads": args.threads,
                           "autogroup_nice": args.autogroup_nice},
-              "quick": args.quick, "model": "tiny llama (tests/tiny_models.py)" if args.quick else "embedded config",
+              "flash_attn": args.flash_attn, "quick": args.quick, "model": "tiny llama (tests/tiny_models.py)" if args.quick else "embedded config",
               "slo_ms": slos or None, "engine_tokens": args.engine_tokens,
               "max_tokens": args.max_tokens, "models": args.models, "bare_tok_s": bare, "engine_rounds": rounds,
               "slots": multi,

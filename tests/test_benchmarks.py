@@ -309,6 +309,8 @@ def test_peer():
     for r in rows:
         assert r["failed"] == 0 and r["completion_tokens"] == r["requests"] * (8 if r["workload"] == "decode-bound" else 4)
         assert quotient(r["gen_tok_s"], r["completion_tokens"], r["wall_s"], 3, 2)
+        for m in r["per_model"].values():  # the slowest request, beside the mean, within the cell's wall time
+            assert 0 < m["mean_latency_s"] <= m["max_latency_s"] <= r["wall_s"]
     for c in cells:
         same = [r for r in rows if all(r[k] == c[k] for k in ("workload", "concurrency", "busy_models", "endpoint"))]
         assert c["rounds"] == len(same) == 1 and c["gen_tok_s"] == same[0]["gen_tok_s"]
@@ -321,6 +323,11 @@ def test_peer():
         else:
             assert c["speed_vs_peer"] is None
     assert set(out["servers"]) == {f"local-{role}-{m}" for role in ("prefill", "decode") for m in ("qwen", "gpt-oss")}
+    for endpoint, bar in (("decode-server", 1.0), ("gateway", 0.95)):  # issue 44's bars, from the cells
+        target = out["targets"]["issue_44"][endpoint]
+        ratios = [c["speed_vs_peer"] for c in cells if c["endpoint"] == endpoint and c["busy_models"] == 1]
+        assert target["bar"] == bar and sorted(target["one_model"].values(), key=str) == sorted(ratios, key=str)
+        assert target["met"] is (peer_ran and all(r >= bar for r in ratios))
 
 
 @pytest.mark.slow
