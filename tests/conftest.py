@@ -33,6 +33,15 @@ THREADS = 1
 TINY_THREADS = 1  # the tiny models: a step is too small to split anyway
 
 
+def sigint_default() -> None:
+    """``preexec_fn`` of a child a test interrupts with SIGINT: the signal back to its default. A suite
+    launched as a shell's background job (``nohup ... &``) runs with SIGINT ignored, children inherit
+    that, and Python leaves an ignored SIGINT ignored: the Ctrl-C tests then waited out their timeouts."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def cluster_config_dict(**server) -> dict:
     data = json.loads((ROOT / "config_current.json").read_text())
     for model in data["models"].values():

@@ -25,6 +25,8 @@ from disaggregated_inference.bench.measure import RequestTiming
 from disaggregated_inference.bench.workloads import BenchRequest
 from disaggregated_inference import cli
 
+from .conftest import sigint_default
+
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = [m.name for m in table.METRICS]
 
@@ -231,7 +233,7 @@ def test_ctrl_c_writes_what_was_measured_marked_incomplete(tiny_cluster, tmp_pat
     proc = subprocess.Popen([sys.executable, "-m", "disaggregated_inference.cli", "bench", "--config",
                              str(_config(tiny_cluster, tmp_path)), "--workload", "chat", "--duration", "120",
                              "--max-tokens", "4", "--out", str(tmp_path / "o")],
-                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
     try:
         for line in proc.stderr:  # progress lines: wait until some requests are answered
             if " done," in line and not line.split(" done,")[0].endswith(" 0"):

@@ -26,6 +26,7 @@ from disaggregated_inference.client import DisaggregatedClient
 from disaggregated_inference.grading import GradingOptions, grade_batch, load_rubric
 from disaggregated_inference.grading import cli
 from disaggregated_inference.grading.classgen import generate_class
+from .conftest import sigint_default
 from .fakes import StreamingFakeClient
 
 from .tiny_models import tiny_cluster_config
@@ -130,7 +131,7 @@ def grader_process(args: list[str], log: Path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, str(ROOT / "business_analytics_grader_v2.py"), *args], cwd=ROOT,
-                                env=env, stdout=out, stderr=subprocess.STDOUT)
+                                env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=sigint_default)
     try:
         yield proc
     finally:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import psutil
 import requests
 
+from .periodic import Periodic
+
 
 @dataclass
 class Machine:
@@ -43,15 +45,15 @@ def _gpu_busy(health: dict) -> float | None:
     return sum(values) / len(values) / 100.0 if values else None
 
 
-class MachineMonitor:
+class MachineMonitor(Periodic):
+    thread_name = "bench-machines"
+
     def __init__(self, entries, interval: float = 1.0, token: str | None = None):
         self.entries, self.interval = list(entries), interval
         self.session = requests.Session()
         if token:
             self.session.headers["Authorization"] = f"Bearer {token}"
         self.machines: dict[str, Machine] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._cpu_last = None
         self._lock = threading.Lock()
 
@@ -119,18 +121,10 @@ class MachineMonitor:
     def start(self) -> None:
         if not self.machines:
             self.discover()
-        self.sample()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="bench-machines")
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.sample()
+        super().start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        super().stop()
         self.sample()
         self.session.close()
 

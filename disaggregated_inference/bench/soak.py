@@ -34,6 +34,7 @@ from . import netns
 from .endpoints import ClientEndpoint, HttpEndpoint
 from .faults import KINDS, PATHS, Injector
 from .load import LoadShape, Phase
+from .periodic import Periodic
 from .workloads import BenchRequest, Unit, chat_workload
 
 ROLES = ("prefill", "decode")
@@ -191,16 +192,16 @@ def _continue(proc) -> None:
             pass
 
 
-class ResourceSampler:
+class ResourceSampler(Periodic):
     """Every ``every`` seconds, each server's (and the gateway's) RSS, open files and threads, summed over its
     process group (gunicorn's master and worker: ``/proc`` through psutil), and a prefill server's leases held
     (its ``/health``); with the number of requests finished by then (``finished()``)."""
 
+    thread_name, join_seconds = "soak-sampler", 30.0
+
     def __init__(self, cluster: SoakCluster, every: float, finished, session: requests.Session):
-        self.cluster, self.every, self.finished, self.session = cluster, every, finished, session
+        self.cluster, self.interval, self.finished, self.session = cluster, every, finished, session
         self.rows: list[dict] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def sample(self) -> None:
         now, done = time.perf_counter(), self.finished()
@@ -216,19 +217,6 @@ class ResourceSampler:
                     pass
             self.rows.append(row)
 
-    def start(self) -> None:
-        self.sample()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="soak-sampler")
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.every):
-            self.sample()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
 
 
 def _group_resources(pid: int) -> dict:

@@ -235,14 +235,7 @@ class Sandbox:
             proc.wait()
         for t in readers:
             t.join(5)
-        records = []
-        for line in bytes(report).decode("utf-8", "replace").splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                records.append(record)
+        records = _json_objects(bytes(report).decode("utf-8", "replace").splitlines())
         with _RUNNING_LOCK:
             cancelled = proc.pid in _ENDED
         return RawRun(records, proc.returncode, killed, round(time.monotonic() - started, 3),
@@ -262,15 +255,20 @@ def _read_attempts(path: Path) -> list:
             text = f.read(MAX_AUDIT_BYTES).decode("utf-8", "replace")
         except OSError:
             return []
-    attempts = []
-    for line in text.splitlines()[:50]:
+    return _json_objects(text.splitlines()[:50])
+
+
+def _json_objects(lines) -> list[dict]:
+    """The lines that are JSON objects, parsed; anything else (a cut line, stray output) skipped."""
+    out = []
+    for line in lines:
         try:
             item = json.loads(line)
         except ValueError:
             continue
         if isinstance(item, dict):
-            attempts.append(item)
-    return attempts
+            out.append(item)
+    return out
 
 
 PROBE_NOTEBOOK = {"cells": [{"cell_type": "code", "execution_count": None, "id": "probe", "metadata": {},
