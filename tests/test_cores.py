@@ -109,8 +109,8 @@ class ThreadedFake:
     def close(self):
         pass
 
-    def set_threads(self, n):
-        self.set_to.append(n)
+    def set_threads(self, n, shared=False):
+        self.set_to.append((n, shared))
         self.threads = n
 
     def evaluate(self, evals):
@@ -159,7 +159,9 @@ def test_owners_sharing_a_machine_step_with_their_share_and_take_it_all_back(boa
         assert _wait_for(lambda: first.steps[-1] == 2)  # the first takes both back
         first.hold.set()
         list(a)
-        assert first.set_to == [2, 1, 2] and owners[0].compute_threads == 2  # set only when the share changes
+        # set only when the share changes; shared from the moment the other computed, for SHARING_SECONDS after
+        assert first.set_to[:3] == [(2, False), (1, True), (2, True)] and owners[0].compute_threads == 2
+        assert all(x != y for x, y in zip(first.set_to, first.set_to[1:])) and len(first.set_to) <= 4
     finally:
         for owner in owners:
             owner.shutdown()
@@ -193,6 +195,51 @@ def test_steps_kept_off_the_cpu_by_other_work_drop_to_one_thread_for_a_while():
     steps(19.0, 2, 0.05)
     assert c.holds(20.9) and not c.holds(21.1)  # the next hold starts short again
     assert c.count == 4
+
+
+def test_the_cores_count_as_shared_for_a_while_after_a_peer_was_seen_computing(board, monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(cores.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(cores, "DEFER_SECONDS", 0.0)  # the clock stands still: no waiting for a's step
+    a, b = (CoreShare("g", 2, cores=2, path=board) for _ in range(2))
+    try:
+        assert a.threads() == 2 and not a.sharing()  # alone
+        b.threads()
+        clock[0] += 0.1
+        assert a.threads() == 1 and a.sharing() and a.describe()["sharing"]
+        b.idle()
+        clock[0] += cores.SHARING_SECONDS - 0.2
+        assert a.threads() == 2 and a.sharing()  # all its threads again, but the peer may be back at any moment
+        clock[0] += 0.2
+        assert not a.sharing()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_server_that_becomes_busy_waits_for_a_peers_step_that_holds_more_than_its_share(board, monkeypatch):
+    monkeypatch.setattr(cores, "DEFER_SECONDS", 0.3)
+    a, b = (CoreShare("g", 2, cores=2, path=board) for _ in range(2))
+    try:
+        assert a.threads() == 2  # a step under way with both cores: b idle
+        threading.Timer(0.1, a.threads).start()  # a's next step: b busy, so one thread
+        started = time.monotonic()
+        assert b.threads() == 1
+        waited = time.monotonic() - started
+        assert 0.08 <= waited < 0.3 and b.deferred == pytest.approx(waited, abs=0.01)
+        assert a.describe()["threads"] == 2 and a._busy == 1
+        started = time.monotonic()
+        assert b.threads() == 1 and time.monotonic() - started < 0.05  # a holds its share: nothing to wait for
+        a.idle()
+        b.idle()
+        assert a.threads() == 2  # and then a step that outlasts the wait (a peer stuck in it)
+        started = time.monotonic()
+        assert b.threads() == 1 and 0.3 <= time.monotonic() - started < 0.5
+        started = time.monotonic()
+        assert b.threads() == 1 and time.monotonic() - started < 0.05  # no more waiting for a while
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_contended_server_takes_one_thread_whatever_its_share(board):

@@ -374,3 +374,34 @@ def test_k_quant_weights_compute_a_step_of_eight_rows_or_more_as_one_of_fewer():
     print("deterministic:", on, "plain:", off)
     assert on == {"beside 3": 0.0, "beside 7": 0.0, "beside 9": 0.0}
     assert off["beside 7"] > 0 and off["beside 9"] > 0
+
+
+@pytest.mark.parametrize("settings", [
+    {},
+    pytest.param({"model": "gemma3-270m", "flash_attn": False}, marks=pytest.mark.slow),  # sliding window, K-quants
+    pytest.param({"model": "smollm2"}, marks=pytest.mark.slow),  # flash attention
+], ids=["tiny llama", "gemma 3", "smollm2"])
+def test_a_prompt_in_the_short_steps_of_shared_cores_computes_bit_for_bit_as_in_whole_chunks(settings):
+    """While another server computes on the same cores a prompt's chunks go in pieces (``set_threads(...,
+    shared=True)``: llama_slots.SHARED_PIECE); the KV they leave gives the next steps the logits that whole
+    chunks give, bit for bit."""
+    from disaggregated_inference.backends.llama_slots import SHARED_PIECE
+
+    b = tiny_backend(True, **settings)
+    try:
+        x = b.tokenize(Prompt(text=text(6, 900)))[0][:1000]
+        assert len(x) > 512 + 2 * SHARED_PIECE
+        got = {}
+        for shared in (False, True):
+            b.set_threads(2, shared=shared)
+            seq = b._acquire()[0]
+            try:
+                steps = b._batches
+                got[shared] = generate_together(b, [seq], [x], 3)
+                steps = b._batches - steps
+            finally:
+                b._release(seq)
+            assert steps > 6 if shared else steps < 6  # 3 steps after the prompt: its chunks, or its pieces
+        assert all(np.array_equal(a, y) for a, y in zip(got[False], got[True]))
+    finally:
+        b.close()

@@ -9,7 +9,7 @@ import pytest
 
 from disaggregated_inference.backends import ModelSettings, create
 from disaggregated_inference.backends.base import Prompt, Sampling
-from disaggregated_inference.backends.llama_slots import PREFIX_MIN_TOKENS
+from disaggregated_inference.backends.llama_slots import PREFIX_MIN_TOKENS, SHARED_PIECE
 
 from .conftest import THREADS
 
@@ -84,6 +84,43 @@ def test_a_short_last_chunk_is_evaluated_whole_and_the_state_is_still_bit_identi
     assert hit.metrics["prompt_tokens_cached"] >= PREFIX_MIN_TOKENS
     assert bytes(hit.payload) == bytes(ref.payload)
     assert hit.meta["canary"] == ref.meta["canary"]
+
+
+@pytest.mark.slow  # the packaged models in process
+def test_while_the_cores_are_shared_a_prompt_goes_in_shorter_steps_with_the_same_state(cold):
+    """``set_threads(..., shared=True)``: prompt chunks in steps of SHARED_PIECE tokens (so the thread count is
+    taken again sooner), and the KV and canary bit for bit those of whole chunks."""
+    p = prompt(20, "df.groupby('region').revenue.sum()")  # two chunks of n_batch 512
+    runs, steps = {}, {}
+    try:
+        for shared in (False, True):
+            cold.set_threads(THREADS, shared=shared)
+            before = cold._batches
+            _, runs[shared] = cold.run(cold.prefill(p))
+            steps[shared] = cold._batches - before
+    finally:
+        cold.set_threads(THREADS)
+    n = runs[True].metrics["prompt_tokens_evaluated"]
+    pieces = -(-n // SHARED_PIECE) - (0 < n % SHARED_PIECE < PREFIX_MIN_TOKENS)
+    assert n > 512 + SHARED_PIECE and steps[True] - steps[False] == pieces - 2  # against two chunks of 512
+    assert bytes(runs[True].payload) == bytes(runs[False].payload)
+    assert runs[True].meta["canary"] == runs[False].meta["canary"]
+
+
+@pytest.mark.parametrize("take, start, piece, expected", [
+    (512, 0, 128, 128),   # a whole chunk: its first piece
+    (300, 0, 128, 128),   # 172 rows left after it
+    (180, 0, 128, 180),   # 52 would be left: whole
+    (212, 300, 128, 84),  # after a cached prefix of 300: to the boundary at 384, 128 left
+    (150, 500, 128, 150), # the boundary at 512 would leave 12 rows, the one at 640 only 10 after it: whole
+    (100, 0, 128, 100),   # shorter than a piece
+    (512, 0, 512, 512),   # unshared: n_batch
+])
+def test_a_piece_keeps_enough_rows_on_both_sides(take, start, piece, expected):
+    from disaggregated_inference.backends.llama_slots import _piece_of
+
+    got = _piece_of(take, start, piece)
+    assert got == expected and (got == take or min(got, take - got) >= PREFIX_MIN_TOKENS)
 
 
 @pytest.mark.parametrize("shared, m, reuse", [

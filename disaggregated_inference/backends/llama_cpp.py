@@ -96,6 +96,7 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
         self._prefix_cache = False
         self._state_bytes_per_token = 0.0  # of the last export: sizes the next export buffer in advance
         self._batch_capacity = self._n_ubatch = 0
+        self._piece = 0  # prompt tokens in a step: n_batch, fewer while the cores are shared (Slots.set_threads)
         self._step_cost: StepCost | None = None  # measured at load, or at a request's first draft (speculate.py)
         self._cells: llama_cells.CacheCells | None = None  # direct row access (streamed handoffs), when it checks out
         self._cells_reason: str | None = None
@@ -138,6 +139,7 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
         # for it whatever the setting), so that drafts never crowd a prompt's chunk out of a step
         self._batch_capacity = s.n_batch + self.slots * (1 + s.draft_max)
         cp.n_batch = self._batch_capacity
+        self._piece = s.n_batch
         # deterministic: one ubatch holds a token of every slot (see _evaluate_invariant)
         cp.n_ubatch = self._n_ubatch = max(min(512, s.n_batch), self.slots if s.deterministic else 1)
         threads = self.compute_threads(s)

@@ -30,6 +30,15 @@ from .speculate import StepCost, cut_drafts
 # as without the cache, and the KV and logits come out bit for bit the same (tests/test_prefix_cache.py).
 PREFIX_MIN_TOKENS = 64
 
+# While the cores are shared with another server (``set_threads``), a prompt's chunk goes in steps of this many
+# tokens (on SmolLM2 at 2 cores: 0.3 s at 2 threads, 0.5 s at one), so that its thread count is taken again soon.
+# A 512-token chunk at one thread took about a second, and kept that one thread after the other server went idle;
+# and a peer that becomes busy waits for the step under way to end (server/cores.py). Steps of 256 tokens at 2
+# threads were no faster per token here (the 8-long-prompts gateway cell's cycle: 2.75 s against 2.65).
+# Rows of a chunk computed in pieces of PREFIX_MIN_TOKENS or more come out bit for bit as in the whole chunk (the
+# prefix cache relies on the same), so a piece is cut only where both sides keep that many rows.
+SHARED_PIECE = 128
+
 
 class Slots:
     """The slots and steps of ``LlamaCppBackend`` (a part of that class: it reads the context, the model, the
@@ -79,14 +88,19 @@ class Slots:
         self._free.append(seq)
         self._free.sort(reverse=True)
 
-    def set_threads(self, threads: int) -> None:
+    def set_threads(self, threads: int, shared: bool = False) -> None:
         """Compute with ``threads`` CPU threads from the next step on (the owner shares the machine's
-        cores between the servers on it: ``server/cores.py``). Canaries name the count in use."""
+        cores between the servers on it: ``server/cores.py``). Canaries name the count in use.
+
+        ``shared``: another server on these cores computed a moment ago, so the share may change at any
+        moment; a step keeps the count it started with, so prompt chunks go in pieces of ``SHARED_PIECE``
+        tokens, each a step of its own (see ``evaluate``)."""
         import llama_cpp
 
         llama_cpp.llama_set_n_threads(self.ctx.ctx, threads, threads)
         if self._threads is not None:
             self._threads = threads
+        self._piece = min(SHARED_PIECE, self.settings.n_batch) if shared else self.settings.n_batch
 
     @property
     def _free_row(self) -> bool:
@@ -162,7 +176,7 @@ class Slots:
         """
         deterministic = self.settings.deterministic
         room, used, chosen = self._batch_capacity, 0, []
-        chunk = self.settings.n_batch
+        chunk, piece, prompt_rows = self.settings.n_batch, self._piece, 0
         if deterministic and len(evals) > 1:
             # a verify step beside other sequences would change their ubatches, and its rows would not outlive
             # the singles' decode: with deterministic steps a sequence verifies guesses only when it is alone
@@ -187,6 +201,11 @@ class Slots:
                 take = min(chunk - (ev.pos + ev.done) % chunk, left)
                 if deterministic and ev.logits and left > 1:
                     take = min(take, left - 1)  # the token whose logits are wanted goes in as a single, next step
+                if piece < chunk and take > 1:  # the cores are shared: a short step, of one piece of prompt
+                    take = _piece_of(take, ev.pos + ev.done, piece)
+                    if prompt_rows and prompt_rows + take > piece:
+                        continue
+                    prompt_rows += take
             if take <= room - used:
                 chosen.append((ev, take))
                 used += take
@@ -355,6 +374,18 @@ class Slots:
         finally:
             self._release(seq)
         return StepCost.fit(timings)
+
+
+def _piece_of(take: int, start: int, piece: int) -> int:
+    """The rows of a ``take``-row chunk from position ``start`` to evaluate in this step: up to the first multiple of
+    ``piece`` that leaves at least ``PREFIX_MIN_TOKENS`` rows on both sides (a row in a chunk of fewer takes another
+    matmul path), else all ``take``."""
+    if take <= piece:
+        return take
+    cut = piece - start % piece
+    while cut < PREFIX_MIN_TOKENS:
+        cut += piece
+    return cut if take - cut >= PREFIX_MIN_TOKENS else take
 
 
 def _shared_start(a, b) -> int:

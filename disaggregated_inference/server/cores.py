@@ -10,11 +10,16 @@ parallel region at all (no barrier to wait at), and llama.cpp reads the count at
 (``llama_set_n_threads``).
 
 So the servers of a cluster that share a machine publish on a board (a small shared-memory file
-of slots: pid, group, threads wanted, busy) whether they are computing, and before every step
-each takes ``thread_share`` of the machine's cores: all its configured threads while the busy
-servers' threads fit the cores, its proportional share (at least one) when they do not. One
-server busy runs at the engine's speed with spinning threads; two busy on two cores run one
+of slots: pid, group, threads wanted, threads of the step under way) whether they are computing,
+and before every step each takes ``thread_share`` of the machine's cores: all its configured threads
+while the busy servers' threads fit the cores, its proportional share (at least one) when they do
+not. One server busy runs at the engine's speed with spinning threads; two busy on two cores run one
 thread each, side by side, with no barrier to wait at.
+
+A step keeps the count it started with. A server that becomes busy while a peer's step holds more
+than its share waits for that step to end (``CoreShare.threads``), and while the cores are shared
+the llama.cpp backend cuts prompt chunks into short steps (``llama_slots.SHARED_PIECE``), so that
+neither that wait nor a step started at one thread after the peer went idle lasts long.
 
 The board is one file per user on a RAM file system (``/dev/shm`` where there is one); a slot is
 claimed under ``flock`` and tagged with the cluster's group (``ServerSettings.core_group``), so
@@ -44,10 +49,13 @@ from .settings import engine_threads
 log = logging.getLogger(__name__)
 
 SLOTS = 128
-FIELDS = 4  # pid, group tag, threads wanted, busy (int64 each)
+FIELDS = 4  # pid, group tag, threads wanted, busy: the threads of its step under way, 0 when idle (int64 each)
 PID, GROUP, WANT, BUSY = range(FIELDS)
 LIVENESS_SECONDS = 1.0  # how long a peer's "alive" answer is trusted
 RESCAN_SECONDS = 1.0  # how often the board is scanned for the group's members
+SHARING_SECONDS = 2.0  # a peer seen computing this recently: the cores count as shared (``CoreShare.sharing``)
+DEFER_SECONDS = 0.5  # the longest a server waits for a peer's step that holds more than its share (``threads``)
+DEFER_OFF_SECONDS = 5.0  # after a wait that ran out: how long a server computes without waiting
 
 
 def thread_share(cores: int, mine: int, others: list[int]) -> int:
@@ -165,11 +173,14 @@ class CoreShare:
                 fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
-        self._busy = False
+        self._busy = 0  # the threads this server's step under way computes with, as the board says; 0: idle
         self.contention = Contention()
+        self.deferred = 0.0  # seconds spent waiting for peers' steps to end (``threads``)
+        self._defer_off_until = 0.0
         self._members: list[int] = []
         self._scanned_at = -RESCAN_SECONDS
         self._alive: dict[int, tuple[bool, float]] = {}
+        self._peer_busy_at = -SHARING_SECONDS
 
     def _claim(self) -> int:
         """A free slot (or one whose process is gone), under the board's lock."""
@@ -187,6 +198,10 @@ class CoreShare:
 
     def _peers_wanting(self, now: float) -> list[int]:
         """Threads wanted by the other busy, living servers of this group."""
+        return [want for want, _ in self._busy_peers(now)]
+
+    def _busy_peers(self, now: float) -> list[tuple[int, int]]:
+        """(threads wanted, threads of the step under way) of the other busy, living servers of this group."""
         b = self._board
         if now - self._scanned_at >= RESCAN_SECONDS:
             self._members = [s for s in range(SLOTS)
@@ -202,17 +217,54 @@ class CoreShare:
                     alive = _alive(pid)
                     self._alive[pid] = (alive, now)
                 if alive:
-                    out.append(b[base + WANT])
+                    out.append((b[base + WANT], b[base + BUSY]))
         return out
 
     def threads(self) -> int:
-        """Mark this server busy; the compute threads its next step should use."""
-        if not self._busy:
-            self._board[self.slot * FIELDS + BUSY] = 1
-            self._busy = True
+        """Mark this server busy; the compute threads its next step should use.
+
+        A peer whose step started while this server was idle computes it with more than its share of the
+        cores now; threads beyond the cores wait at every barrier of a step for a partner without a core (a
+        128-token prompt step at 2 threads took 0.97 s instead of 0.26 beside a one-thread decode step). So
+        this server waits for such a step to end (``DEFER_SECONDS`` at most): the peer takes its share at its
+        next step's start, seeing this one busy."""
         now = time.monotonic()
-        share = thread_share(self.cores, self.wanted, self._peers_wanting(now))
-        return 1 if self.contention.holds(now) else share
+        others = self._busy_peers(now)
+        if others:
+            self._peer_busy_at = now
+        wanting = [want for want, _ in others]
+        threads = 1 if self.contention.holds(now) else thread_share(self.cores, self.wanted, wanting)
+        if threads != self._busy:
+            self._board[self.slot * FIELDS + BUSY] = threads
+            self._busy = threads
+        if others and now >= self._defer_off_until and self._overcommitted(others):
+            deadline = now + DEFER_SECONDS
+            while True:
+                time.sleep(0.001)
+                at = time.monotonic()
+                if not self._overcommitted(self._busy_peers(at)):
+                    break
+                if at >= deadline:  # a step longer than that (or a peer stuck in one): no waiting for a while
+                    self._defer_off_until = at + DEFER_OFF_SECONDS
+                    log.debug("a peer's step outlasted %.1f s: not waiting for peers for %.0f s", DEFER_SECONDS,
+                              DEFER_OFF_SECONDS)
+                    break
+            self.deferred += time.monotonic() - now
+        return threads
+
+    def _overcommitted(self, others: list[tuple[int, int]]) -> bool:
+        """Whether a busy peer's step under way computes with more threads than its share, this server busy."""
+        wanting = [want for want, _ in others] + [self.wanted]
+        for i, (want, using) in enumerate(others):
+            if using > thread_share(self.cores, want, wanting[:i] + wanting[i + 1:]):
+                return True
+        return False
+
+    def sharing(self) -> bool:
+        """Whether another server of the group was computing at one of this server's last steps' starts,
+        ``SHARING_SECONDS`` back at most: its share may change at any moment, and a long step would keep the
+        thread count it started with (the backend then cuts a prompt's chunk into shorter steps)."""
+        return time.monotonic() - self._peer_busy_at < SHARING_SECONDS
 
     def stepped(self, threads: int, wall: float, cpu: float) -> None:
         """A step took ``wall`` seconds, ``cpu`` of them on a CPU for the thread that ran it."""
@@ -222,16 +274,18 @@ class CoreShare:
         """Nothing to compute until new work comes."""
         if self._busy:
             self._board[self.slot * FIELDS + BUSY] = 0
-            self._busy = False
+            self._busy = 0
 
     def busy_peers(self) -> int:
         """How many other servers of the group are computing now (diagnostics)."""
         return len(self._peers_wanting(time.monotonic()))
 
     def describe(self) -> dict:
-        """For /health: the machine's cores, this server's threads, its busy peers, the one-thread holds."""
+        """For /health: the machine's cores, this server's threads, its busy peers, whether the cores count as
+        shared, the seconds it waited for peers' steps, the one-thread holds."""
         now = time.monotonic()
         return {"cores": self.cores, "threads": self.wanted, "busy_peers": len(self._peers_wanting(now)),
+                "sharing": self.sharing(), "deferred_s": round(self.deferred, 3),
                 "contended": self.contention.holds(now), "contended_holds": self.contention.count}
 
     def close(self) -> None:

@@ -139,6 +139,7 @@ class ModelOwner:
         self.backend = backend
         self.cores = cores
         self.compute_threads: int | None = None  # set through cores before each step
+        self.cores_shared = False  # whether another server on the cores computed a moment ago
         self.queue_timeout = queue_timeout
         self.max_queue = max_queue
         self.slots = getattr(backend, "slots", 1)
@@ -355,10 +356,10 @@ class ModelOwner:
 
     def _take_cores(self) -> None:
         """This step's share of the machine's cores (the backend keeps a count until it changes)."""
-        threads = self.cores.threads()
-        if threads != self.compute_threads:
-            self.backend.set_threads(threads)
-            self.compute_threads = threads
+        threads, shared = self.cores.threads(), self.cores.sharing()
+        if (threads, shared) != (self.compute_threads, self.cores_shared):
+            self.backend.set_threads(threads, shared=shared)
+            self.compute_threads, self.cores_shared = threads, shared
 
     def _start(self, job: _Job, active: list) -> None:
         try:
