@@ -405,3 +405,86 @@ def test_a_prompt_in_the_short_steps_of_shared_cores_computes_bit_for_bit_as_in_
         assert all(np.array_equal(a, y) for a, y in zip(got[False], got[True]))
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("settings", [
+    {},
+    pytest.param({"model": "smollm2"}, marks=pytest.mark.slow),  # flash attention, Q4/Q8 weights
+    pytest.param({"model": "smollm2", "flash_attn": False}, marks=pytest.mark.slow),  # lone rows unpadded
+    pytest.param({"model": "gemma3-270m", "flash_attn": False}, marks=pytest.mark.slow),  # sliding window
+    pytest.param({"model": "gemma3-270m"}, marks=pytest.mark.slow),
+    pytest.param({"flash_attn": False}),
+], ids=["tiny llama", "smollm2", "smollm2 without flash attention", "gemma 3 without flash attention", "gemma 3",
+        "tiny llama without flash attention"])
+def test_verify_steps_beside_others_compute_every_row_as_one_token_steps_alone_do(settings, monkeypatch):
+    """Speculation under deterministic steps: a sequence that verifies guesses beside others (generating
+    ones, another verifying one, a gap in the ids) gets in every row the logits its one-token steps get
+    alone, bit for bit, and so do its neighbours; a verify step whose last row would be left alone in a
+    ubatch gives up that guess. Where the load measured that a verify step's rows would differ, every
+    guess is stripped, and the singles still compute as alone."""
+    from disaggregated_inference.backends import llama_slots
+    from disaggregated_inference.backends.speculate import StepCost
+
+    b = tiny_backend(True, **settings)
+    b._step_cost = StepCost()
+    monkeypatch.setattr(llama_slots, "cut_drafts", lambda *a, **k: None)  # the drafts as given: the numerics
+    # measured at load: SmolLM2 and Gemma 3 without flash attention compute a query of several rows of one
+    # sequence otherwise than one row (their steps then verify nothing: every draft goes as a single)
+    assert b._verify_exact == (settings.get("flash_attn", True) or "model" not in settings)
+    try:
+        prompts = [b.tokenize(Prompt(text=text(i, 120 + 70 * i)))[0] for i in range(3)]
+        prompts.append(b.tokenize(Prompt(text=text(6, 540)))[0][:600])  # past 512 cells
+        steps = 20
+
+        def alone(p):  # the tokens fed (the prompt's last, then greedy) and the logits after each
+            seq = b._acquire()[0]
+            try:
+                fill(b, seq, p[:-1])
+                fed, logits = [p[-1]], []
+                for i in range(steps):
+                    ev = Eval(seq, [fed[-1]], len(p) - 1 + i)
+                    b.evaluate([ev])
+                    logits.append(b._row_logits(ev.row).copy())
+                    fed.append(int(logits[-1].argmax()))
+                return fed, logits
+            finally:
+                b._release(seq)
+
+        refs = [alone(p) for p in prompts]
+        # guesses per sequence in each step (None: not in the step); every guess is the token alone gave
+        plan = [(2, 0, 0, None), (2, 2, None, 0), (1, 0, None, None), (None, 3, None, 2), (0, 1, 1, 1),
+                (2, None, 1, 0), (1, 1, 2, 2)]
+        seqs = [b._acquire()[0] for _ in prompts]
+        assert seqs == sorted(seqs) and seqs[-1] - seqs[0] == 3  # adjacent ids: 0 and 2 idle leave gaps
+        at = [0] * len(prompts)
+        cut = rows_checked = 0
+        try:
+            for seq, p in zip(seqs, prompts):
+                fill(b, seq, p[:-1])
+            for guesses in plan:
+                evs = {}
+                for k, (seq, p) in enumerate(zip(seqs, prompts)):
+                    if guesses[k] is not None:
+                        fed = refs[k][0][at[k]:at[k] + 1 + guesses[k]]
+                        evs[k] = Eval(seq, list(fed), len(p) - 1 + at[k],
+                                      draft_acceptance=0.9 if guesses[k] else None)
+                given = {k: len(ev.tokens) for k, ev in evs.items()}
+                b.evaluate(list(evs.values()))
+                for k, ev in evs.items():
+                    cut += given[k] - len(ev.tokens)
+                    for j in range(len(ev.tokens)):
+                        row = ev.row_of(j) if len(ev.tokens) > 1 else ev.row
+                        assert np.array_equal(b._row_logits(row), refs[k][1][at[k] + j]), (guesses, k, j)
+                        rows_checked += 1
+                    at[k] += len(ev.tokens)
+        finally:
+            for seq in seqs:
+                b._release(seq)
+        assert rows_checked >= 2 * len(plan)
+        if b._verify_exact:
+            assert cut > 0 or b._lone_exact  # a lone row measured at load to compute as one beside others: no cut
+            assert rows_checked > 2 * len(plan) + 10
+        else:
+            assert cut == sum(g or 0 for step in plan for g in step)  # every guess stripped
+    finally:
+        b.close()

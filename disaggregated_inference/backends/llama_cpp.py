@@ -102,6 +102,7 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
         self._cells_reason: str | None = None
         self._cells_probed = False
         self._lone_exact = False  # deterministic: a lone token's row computes as beside others, unpadded (llama_slots)
+        self._verify_exact = True  # deterministic: a verify step's rows compute as one-token steps (llama_slots)
         self._batches = 0  # llama_decode calls: a row's logits are valid until the next one
 
     # -- loading ---------------------------------------------------------------------------------
@@ -181,6 +182,7 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
         self._cells, self._cells_reason, self._cells_probed = None, None, False
         progress(f"loaded in {time.perf_counter() - started:.1f}s")
         self._lone_exact = self._lone_rows_exact() if s.deterministic else False
+        self._verify_exact = self._verify_rows_exact() if s.deterministic else True
         if s.speculation != "off":
             self._step_cost = self._measure_step_cost()
             progress(f"speculation {s.speculation}: a step costs {self._step_cost.per_ubatch * 1000:.2f} ms per "
@@ -209,6 +211,7 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
                 "arch": self._fingerprint.get("arch"), "n_swa": self._fingerprint.get("n_swa"),
                 "n_vocab": self._fingerprint.get("n_vocab"), "prefix_cache": self._prefix_cache,
                 "deterministic": bool(self.settings.deterministic), "lone_rows_exact": self._lone_exact,
+                "verify_rows_exact": self._verify_exact,
                 "tiled_matmul": os.environ.get(TILED_MATMUL_ENV, "1") != "0",
                 "library_version": self._fingerprint.get("library_version"),
                 "chat_format": self.chat.name if self.chat is not None else None,

@@ -21,7 +21,7 @@ import contextlib
 import time
 
 from .base import Eval
-from .speculate import StepCost, cut_drafts
+from .speculate import StepCost, cut_drafts, split
 
 # A reused prefix counts only from this many tokens on (below it the lowest free slot is worth more:
 # see ``evaluate``). ggml's CPU matmul takes another path for fewer than 64 rows: a prompt's last rows
@@ -108,7 +108,8 @@ class Slots:
         (``_evaluate_invariant``; a verify step of one sequence alone needs no padding, and its rows compute as
         one-token steps do): deterministic steps on a model without a sliding window, where a row past the
         window's end may take a cell the window still needs."""
-        return bool(self.settings.deterministic) and not self._fingerprint.get("n_swa") and not self._lone_exact
+        return (bool(self.settings.deterministic) and not self._fingerprint.get("n_swa") and not self._lone_exact
+                and self._verify_exact)
 
     def _lone_rows_exact(self, context: int = 96) -> bool:
         """Whether a generating token alone in its ``llama_decode`` (one row) gets, bit for bit, the logits it
@@ -149,6 +150,50 @@ class Slots:
             self._release(a)
             self._release(b)
 
+    def _verify_rows_exact(self, context: int = 96, guesses: int = 2) -> bool:
+        """Whether, with deterministic steps, a verify step computes every row as the sequence's one-token steps
+        do, bit for bit, alone and beside a single in the next slot (``_evaluate_invariant``'s ubatches): else
+        deterministic steps verify no guesses at all (``evaluate``). Measured here, at load, on the loaded
+        model: true for the tiny llama (with flash attention and without), SmolLM2 and Gemma 3 with it; not
+        for SmolLM2 without it (the rows after the first 0.46 apart at 96 cells) nor Gemma 3 without it (alone:
+        1.13), where a query of several rows of one sequence takes another attention path than one row."""
+        import llama_cpp
+        import numpy as np
+
+        if self.settings.n_ctx < context + guesses + 2 or not self._free:
+            return False
+        text = b"Each region's quarterly revenue, margin and churn are listed with the variance to forecast. "
+        ids = self.model.tokenize(text * (1 + context // 12), add_bos=True, special=False)[:context + guesses]
+        mem = llama_cpp.llama_get_memory(self.ctx.ctx)
+        taken = [self._acquire()[0] for _ in range(min(2, len(self._free)))]
+        a = taken[0]
+        b = next((s for s in taken[1:] if abs(s - a) == 1), None)
+        try:
+            for seq in taken:
+                self._decode([(Eval(seq, ids[:context - 1], 0, logits=False), context - 1)])
+            singles = []
+            for i in range(guesses + 1):
+                ev = Eval(a, [ids[context - 1 + i]], context - 1 + i)
+                self._evaluate_invariant([(ev, 1)])
+                singles.append(self._row_logits(ev.row).copy())
+            ways = [[]] + ([[(Eval(b, [ids[0]], context - 1), 1)]] if b is not None else [])
+            for beside in ways:
+                llama_cpp.llama_memory_seq_rm(mem, a, context - 1, -1)
+                if b is not None:
+                    llama_cpp.llama_memory_seq_rm(mem, b, context - 1, -1)
+                verify = Eval(a, ids[context - 1:context + guesses], context - 1, draft_acceptance=1.0)
+                rows = [(verify, guesses + 1)] + beside
+                self._evaluate_invariant(rows)
+                if len(verify.tokens) < 2:  # cut to a single: this arrangement verifies nothing to compare
+                    continue
+                if not all(np.array_equal(singles[i], self._row_logits(verify.row_of(i)))
+                           for i in range(len(verify.tokens))):
+                    return False
+            return True
+        finally:
+            for seq in taken:
+                self._release(seq)
+
     # -- the batch --------------------------------------------------------------------------------
 
     def evaluate(self, evals: list[Eval]) -> int:
@@ -177,15 +222,18 @@ class Slots:
         deterministic = self.settings.deterministic
         room, used, chosen = self._batch_capacity, 0, []
         chunk, piece, prompt_rows = self.settings.n_batch, self._piece, 0
-        if deterministic and len(evals) > 1:
-            # a verify step beside other sequences would change their ubatches, and its rows would not outlive
-            # the singles' decode: with deterministic steps a sequence verifies guesses only when it is alone
+        exact = not deterministic or self._verify_exact  # measured at load (_verify_rows_exact)
+        if exact and self._step_cost is not None:  # alone with deterministic steps, a guess may take the padding row
+            cut_drafts(evals, self._step_cost, self._n_ubatch,
+                       rows=2 if deterministic and len(evals) == 1 and self._free_row else 1)
+        if not exact or (deterministic and self._step_cost is None and len(evals) > 1):
+            # a verify step's rows would not compute as one-token steps; or no step cost to weigh guesses with
+            # (speculation off: a lone sequence's guess in its padding row, which costs nothing), and beside
+            # others a guess would cost a row of its own
             for ev in evals:
                 if ev.draft_acceptance is not None:
                     del ev.tokens[1:]
                     ev.draft_acceptance = None
-        elif self._step_cost is not None:  # alone with deterministic steps, a guess may take the padding row
-            cut_drafts(evals, self._step_cost, self._n_ubatch, rows=2 if deterministic and self._free_row else 1)
         # singles and speculative steps first, then prompt chunks in the order their requests came (the
         # owner lists them so): by fewest tokens left, a prompt whose slot kept being refilled with newer
         # prompts of a lower id waited for all of them (two of sixteen at 8 at once took 45 s, not 18)
@@ -228,49 +276,86 @@ class Slots:
         of each sequence as its shortest one has, so a prompt chunk beside generating
         tokens was cut into other row counts (Gemma 3 without flash attention: 1.0). Hence each
         prompt chunk in a ``llama_decode`` of its own, as when it is alone; and the
-        single tokens in one ``llama_decode`` where no ubatch holds one sequence only:
-        a single whose neighbouring ids bring no token (``split_equal`` groups only
+        single tokens and verify steps in one ``llama_decode`` where no ubatch holds a lone row.
+        A single whose neighbouring ids bring no row (``split_equal`` groups only
         consecutive ids) gets a throwaway row in a neighbouring slot's stream, one
         position past what that stream holds (with one slot: in its own, the next
-        position), whose cell is dropped after the step.
-        Only singles want logits (``evaluate``), and they go last, so their rows stay
-        readable until the next step."""
+        position), whose cell is dropped after the step. A ubatch of one sequence's
+        rows, or of a row from each of several, computes every row as a one-token step
+        does; a verify step whose last row would be left alone in a ubatch (one row
+        past its neighbours') gives up its last guess (``_cut_lone_rows``).
+        Only singles and verify steps want logits (``evaluate``), and they go last, so
+        their rows stay readable until the next step."""
         import llama_cpp
 
         mem = llama_cpp.llama_get_memory(self.ctx.ctx)
         total, unpadded = 0, set()
         for ev, take in chosen:
-            if take > 1:  # a prompt chunk, or a verify step (alone in its step: every row an output)
-                self._decode([(ev, take)], [] if ev.draft_acceptance is not None else None)
+            if take > 1 and ev.draft_acceptance is None:  # a prompt chunk
+                self._decode([(ev, take)])
                 total += take
-        singles = [(ev, take) for ev, take in chosen if take == 1]
-        if singles:
-            ids = {ev.seq for ev, _ in singles}
-            pads = []
-            for ev, _ in singles if not self._lone_exact else ():  # measured at load: no row needs padding
-                beside = ids | {p[0] for p in pads}
-                if ev.seq - 1 in beside or ev.seq + 1 in beside:
-                    continue  # beside another single or a padding row
-                for other in (ev.seq + 1, ev.seq - 1):
-                    if 0 <= other < self.slots:
-                        held = llama_cpp.llama_memory_seq_pos_max(mem, other) + 1
-                        if held < self.settings.n_ctx:
-                            pads.append((other, held, ev.tokens[ev.done]))
-                            break
-                else:  # one slot, or both neighbours' streams full
-                    if self._fingerprint.get("n_swa"):
-                        # a row past a sliding window's end may take a cell the window still needs: alone,
-                        # as a one-slot server always is (and such a model's canary is never held exact)
-                        unpadded.add(ev.seq)
-                    else:  # the row in its own stream: measured the same as one beside it (tiny llama, SmolLM2)
-                        pads.append((ev.seq, ev.pos + ev.done + 1, ev.tokens[ev.done]))
-            self._decode(singles, pads)
-            total += len(singles)
+        rows = [(ev, take) for ev, take in chosen if take == 1 or ev.draft_acceptance is not None]
+        if rows:
+            pads = self._pads(rows, unpadded)
+            while self._cut_lone_rows(rows, pads):
+                pads = self._pads(rows, unpadded)
+            self._decode(rows, pads)
+            total += sum(take for _, take in rows)
             for seq, pos, _ in pads:
                 llama_cpp.llama_memory_seq_rm(mem, seq, pos, -1)
         for ev, _ in chosen:
             ev.alone = ev.seq not in unpadded or self.slots == 1  # its numerics are those of a step of its own
         return total
+
+    def _pads(self, rows: list[tuple[Eval, int]], unpadded: set) -> list[tuple[int, int, int]]:
+        """The throwaway rows (``(seq, pos, token)``) that keep every single of ``rows`` beside another row
+        (``_evaluate_invariant``); a single left alone goes in ``unpadded``."""
+        import llama_cpp
+
+        if self._lone_exact:  # measured at load: no row needs padding
+            return []
+        mem = llama_cpp.llama_get_memory(self.ctx.ctx)
+        ids, pads = {ev.seq for ev, _ in rows}, []
+        for ev, take in rows:
+            if take > 1:
+                continue  # a verify step: rows of its own sequence beside each other
+            beside = ids | {p[0] for p in pads}
+            if ev.seq - 1 in beside or ev.seq + 1 in beside:
+                continue  # beside another sequence's row or a padding row
+            for other in (ev.seq + 1, ev.seq - 1):
+                if 0 <= other < self.slots:
+                    held = llama_cpp.llama_memory_seq_pos_max(mem, other) + 1
+                    if held < self.settings.n_ctx:
+                        pads.append((other, held, ev.tokens[ev.done]))
+                        break
+            else:  # one slot, or both neighbours' streams full
+                if self._fingerprint.get("n_swa"):
+                    # a row past a sliding window's end may take a cell the window still needs: alone,
+                    # as a one-slot server always is (and such a model's canary is never held exact)
+                    unpadded.add(ev.seq)
+                else:  # the row in its own stream: measured the same as one beside it (tiny llama, SmolLM2)
+                    pads.append((ev.seq, ev.pos + ev.done + 1, ev.tokens[ev.done]))
+        return pads
+
+    def _cut_lone_rows(self, rows: list[tuple[Eval, int]], pads: list) -> bool:
+        """Whether a verify step of ``rows`` would leave a row alone in a ubatch of the step with ``pads``
+        (``speculate.split``): then it gives up its last guess (``rows`` changed in place). Not where a lone
+        row was measured at load to compute as one beside others (``_lone_exact``)."""
+        if self._lone_exact:
+            return False
+        counts: dict[int, int] = {}
+        for seq, n in [(ev.seq, take) for ev, take in rows] + [(seq, 1) for seq, _, _ in pads]:
+            counts[seq] = counts.get(seq, 0) + n  # a padding row in a single's own stream: its second row
+        for ubatch in split(sorted(counts.items()), self._n_ubatch):
+            if len(ubatch) == 1 and ubatch[0][1] == 1:
+                for i, (ev, take) in enumerate(rows):
+                    if ev.seq == ubatch[0][0] and take > 1:
+                        del ev.tokens[-1]
+                        if len(ev.tokens) == 1:
+                            ev.draft_acceptance = None
+                        rows[i] = (ev, take - 1)
+                        return True
+        return False
 
     def _decode(self, chosen: list[tuple[Eval, int]], pads=None) -> None:
         """One ``llama_decode`` of ``take`` tokens of each ``Eval`` and the throwaway rows ``pads``

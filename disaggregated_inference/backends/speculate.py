@@ -214,11 +214,17 @@ class StepCost:
 
 
 def ubatches(counts: Sequence[tuple[int, int]], n_ubatch: int = 512) -> list[int]:
-    """Tokens in each ubatch llama.cpp makes of a step with a KV stream per sequence
-    (``llama_batch_allocr::split_equal(n_ubatch, sequential=true)``): each ubatch takes sequences of
-    consecutive ids, the same number of tokens from each, as many as all of them still have."""
+    """Tokens in each ubatch llama.cpp makes of a step with a KV stream per sequence (``split``)."""
+    return [sum(n for _, n in ubatch) for ubatch in split(counts, n_ubatch)]
+
+
+def split(counts: Sequence[tuple[int, int]], n_ubatch: int = 512) -> list[list[tuple[int, int]]]:
+    """The ubatches llama.cpp makes of a step that evaluates ``counts`` ((sequence id, tokens), ascending ids)
+    with a KV stream per sequence, each as (sequence id, tokens) (``llama_batch_allocr::split_equal(n_ubatch,
+    sequential=true)``): each ubatch takes sequences of consecutive ids, the same number of tokens from each,
+    as many as all of them still have."""
     left = [[seq, n] for seq, n in counts if n > 0]
-    sizes = []
+    out = []
     while left:
         group = [left[0]]
         for item in left[1:]:
@@ -228,9 +234,9 @@ def ubatches(counts: Sequence[tuple[int, int]], n_ubatch: int = 512) -> list[int
         take = max(1, min(min(n for _, n in group), n_ubatch // len(group)))
         for item in group:
             item[1] -= take
-        sizes.append(take * len(group))
+        out.append([(seq, take) for seq, _ in group])
         left = [item for item in left if item[1] > 0]
-    return sizes
+    return out
 
 
 def expected_tokens(acceptance: float, guesses: int) -> float:
