@@ -407,30 +407,17 @@ def test_a_prompt_in_the_short_steps_of_shared_cores_computes_bit_for_bit_as_in_
         b.close()
 
 
-@pytest.mark.parametrize("settings", [
-    {},
-    pytest.param({"model": "smollm2"}, marks=pytest.mark.slow),  # flash attention, Q4/Q8 weights
-    pytest.param({"model": "smollm2", "flash_attn": False}, marks=pytest.mark.slow),  # lone rows unpadded
-    pytest.param({"model": "gemma3-270m", "flash_attn": False}, marks=pytest.mark.slow),  # sliding window
-    pytest.param({"model": "gemma3-270m"}, marks=pytest.mark.slow),
-    pytest.param({"flash_attn": False}),
-], ids=["tiny llama", "smollm2", "smollm2 without flash attention", "gemma 3 without flash attention", "gemma 3",
-        "tiny llama without flash attention"])
-def test_verify_steps_beside_others_compute_every_row_as_one_token_steps_alone_do(settings, monkeypatch):
-    """Speculation under deterministic steps: a sequence that verifies guesses beside others (generating
-    ones, another verifying one, a gap in the ids) gets in every row the logits its one-token steps get
-    alone, bit for bit, and so do its neighbours; a verify step whose last row would be left alone in a
-    ubatch gives up that guess. Where the load measured that a verify step's rows would differ, every
-    guess is stripped, and the singles still compute as alone."""
+def verify_probe(settings: dict) -> dict:
+    """Deterministic steps with drafts given as they are (no ``cut_drafts``): each sequence's rows against its
+    one-token steps alone, over a plan of steps that mixes singles, verify steps, idle sequences and gaps in
+    the ids. Runs in a process of its own (``run_verify_probe``): ggml reads ``GGML_CPU_TILED_MM`` once per
+    process, and a deterministic server's process never computes with the tiled matmul on."""
     from disaggregated_inference.backends import llama_slots
     from disaggregated_inference.backends.speculate import StepCost
 
     b = tiny_backend(True, **settings)
     b._step_cost = StepCost()
-    monkeypatch.setattr(llama_slots, "cut_drafts", lambda *a, **k: None)  # the drafts as given: the numerics
-    # measured at load: SmolLM2 and Gemma 3 without flash attention compute a query of several rows of one
-    # sequence otherwise than one row (their steps then verify nothing: every draft goes as a single)
-    assert b._verify_exact == (settings.get("flash_attn", True) or "model" not in settings)
+    llama_slots.cut_drafts = lambda *a, **k: None  # the drafts as given: the numerics, not what pays
     try:
         prompts = [b.tokenize(Prompt(text=text(i, 120 + 70 * i)))[0] for i in range(3)]
         prompts.append(b.tokenize(Prompt(text=text(6, 540)))[0][:600])  # past 512 cells
@@ -457,7 +444,8 @@ def test_verify_steps_beside_others_compute_every_row_as_one_token_steps_alone_d
         seqs = [b._acquire()[0] for _ in prompts]
         assert seqs == sorted(seqs) and seqs[-1] - seqs[0] == 3  # adjacent ids: 0 and 2 idle leave gaps
         at = [0] * len(prompts)
-        cut = rows_checked = 0
+        cut = rows = 0
+        moved = []
         try:
             for seq, p in zip(seqs, prompts):
                 fill(b, seq, p[:-1])
@@ -474,17 +462,58 @@ def test_verify_steps_beside_others_compute_every_row_as_one_token_steps_alone_d
                     cut += given[k] - len(ev.tokens)
                     for j in range(len(ev.tokens)):
                         row = ev.row_of(j) if len(ev.tokens) > 1 else ev.row
-                        assert np.array_equal(b._row_logits(row), refs[k][1][at[k] + j]), (guesses, k, j)
-                        rows_checked += 1
+                        apart = float(np.abs(b._row_logits(row) - refs[k][1][at[k] + j]).max())
+                        if apart:
+                            moved.append([list(guesses), k, j, apart])
+                        rows += 1
                     at[k] += len(ev.tokens)
         finally:
             for seq in seqs:
                 b._release(seq)
-        assert rows_checked >= 2 * len(plan)
-        if b._verify_exact:
-            assert cut > 0 or b._lone_exact  # a lone row measured at load to compute as one beside others: no cut
-            assert rows_checked > 2 * len(plan) + 10
-        else:
-            assert cut == sum(g or 0 for step in plan for g in step)  # every guess stripped
+        return {"verify_exact": b._verify_exact, "lone_exact": b._lone_exact, "cut": cut, "rows": rows,
+                "moved": moved, "guesses": sum(g or 0 for step in plan for g in step), "steps": len(plan)}
     finally:
         b.close()
+
+
+def run_verify_probe(settings: dict) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+    code = ("import json, sys; from tests.test_determinism import verify_probe; "
+            "print(json.dumps(verify_probe(json.loads(sys.argv[1]))))")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(settings)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("settings", [
+    {},
+    pytest.param({"model": "smollm2"}, marks=pytest.mark.slow),  # flash attention, Q4/Q8 weights
+    pytest.param({"model": "smollm2", "flash_attn": False}, marks=pytest.mark.slow),  # lone rows unpadded
+    pytest.param({"model": "gemma3-270m", "flash_attn": False}, marks=pytest.mark.slow),  # sliding window
+    pytest.param({"model": "gemma3-270m"}, marks=pytest.mark.slow),
+    pytest.param({"flash_attn": False}),
+], ids=["tiny llama", "smollm2", "smollm2 without flash attention", "gemma 3 without flash attention", "gemma 3",
+        "tiny llama without flash attention"])
+def test_verify_steps_beside_others_compute_every_row_as_one_token_steps_alone_do(settings):
+    """Speculation under deterministic steps: a sequence that verifies guesses beside others (generating
+    ones, another verifying one, a gap in the ids) gets in every row the logits its one-token steps get
+    alone, bit for bit, and so do its neighbours; a verify step whose last row would be left alone in a
+    ubatch gives up that guess. Where the load measured that a verify step's rows would differ (SmolLM2 and
+    Gemma 3 without flash attention), every guess is stripped, and the singles still compute as alone."""
+    got = run_verify_probe(settings)
+    assert got["moved"] == []
+    assert got["verify_exact"] == (settings.get("flash_attn", True) or "model" not in settings)
+    assert got["rows"] >= 2 * got["steps"]
+    if got["verify_exact"]:
+        assert got["cut"] > 0 or got["lone_exact"]  # a lone row measured to compute as one beside others: no cut
+        assert got["rows"] > 2 * got["steps"] + 10
+    else:
+        assert got["cut"] == got["guesses"]  # every guess stripped

@@ -137,7 +137,7 @@ class Slots:
             if abs(a - b) != 1:
                 return False
             for seq, shift in ((a, 0), (b, 1)):
-                self._decode([(Eval(seq, ids[shift:context - 1 + shift], 0, logits=False), context - 1)])
+                self._fill(seq, ids[shift:context - 1 + shift])
             nxt = ids[context - 1]
             alone = Eval(a, [nxt], context - 1)
             self._decode([(alone, 1)], [])
@@ -149,6 +149,13 @@ class Slots:
         finally:
             self._release(a)
             self._release(b)
+
+    def _fill(self, seq: int, tokens: list[int]) -> None:
+        """Evaluate ``tokens`` into ``seq`` from position 0, in chunks of ``n_batch`` (what the batch holds), no
+        logits (the load's measurements)."""
+        prompt = Eval(seq, list(tokens), 0, logits=False)
+        while not prompt.complete:
+            self._decode([(prompt, min(self.settings.n_batch, len(prompt.tokens) - prompt.done))])
 
     def _verify_rows_exact(self, context: int = 96, guesses: int = 2) -> bool:
         """Whether, with deterministic steps, a verify step computes every row as the sequence's one-token steps
@@ -170,7 +177,7 @@ class Slots:
         b = next((s for s in taken[1:] if abs(s - a) == 1), None)
         try:
             for seq in taken:
-                self._decode([(Eval(seq, ids[:context - 1], 0, logits=False), context - 1)])
+                self._fill(seq, ids[:context - 1])
             singles = []
             for i in range(guesses + 1):
                 ev = Eval(a, [ids[context - 1 + i]], context - 1 + i)
