@@ -149,13 +149,24 @@ def _servers_of(proc) -> list[psutil.Process]:
         return []
 
 
-def _gone(processes: list[psutil.Process]) -> bool:
-    for p in processes:
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.NoSuchProcess:
-            pass
+def _gone(processes: list[psutil.Process], within: float = 5.0) -> bool:
+    """Every process ended (or a zombie) within ``within`` seconds: a sandbox's ``bwrap`` pair, killed with
+    the grader's process group, can take a moment to be reaped by its own parent."""
+    def left():
+        alive = []
+        for p in processes:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+    deadline = time.monotonic() + within
+    while left():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
     return True
 
 

@@ -294,3 +294,51 @@ def test_a_waiter_whose_time_runs_out_leaves_the_line():
     again = owner.reserve()  # the slot is free, not promised to the waiter that gave up
     assert owner.slot_stats()["busy"] == 1
     again.release()
+
+
+class CalibratingFake(BatchedFake):
+    """Records each ``calibrate`` (the thread, whether a request waited by its end); wants ``wants`` of them."""
+
+    def __init__(self, wants=2, takes=0.0):
+        super().__init__()
+        self.calibrations, self.wants, self.takes = [], wants, takes
+
+    def calibrate(self, interrupted):
+        deadline = time.monotonic() + self.takes
+        while time.monotonic() < deadline and not interrupted():
+            time.sleep(0.005)
+        self.calibrations.append((threading.current_thread().name, interrupted()))
+        return len(self.calibrations) < self.wants
+
+
+def test_an_idle_owner_calibrates_its_backend_until_it_wants_no_more(monkeypatch):
+    from disaggregated_inference.server import owner as owner_module
+
+    monkeypatch.setattr(owner_module, "CALIBRATE_AFTER_IDLE", (0.05, 0.05, 0.05, 0.05))
+    backend = CalibratingFake(wants=2)
+    owner = ready_owner(backend)
+    try:
+        deadline = time.time() + 10
+        while len(backend.calibrations) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(2.5)  # two delays of up to 1.05 s (jittered): the backend said no more after its second
+        assert [name for name, _ in backend.calibrations] == ["model-owner", "model-owner"]
+    finally:
+        owner.close()
+
+
+def test_a_request_that_comes_during_a_calibration_stops_it(monkeypatch):
+    from disaggregated_inference.server import owner as owner_module
+
+    monkeypatch.setattr(owner_module, "CALIBRATE_AFTER_IDLE", (0.05,))
+    backend = CalibratingFake(wants=5, takes=30.0)
+    owner = ready_owner(backend)
+    try:
+        time.sleep(0.3)  # the calibration is under way
+        started = time.monotonic()
+        got = list(owner.stream(lambda b, cancelled: b.count(3, cancelled)))
+        assert len(got) == 4 and time.monotonic() - started < 5
+        assert backend.calibrations == [("model-owner", True)]
+    finally:
+        owner.close()
+

@@ -116,6 +116,30 @@ def test_step_cost_fit_recovers_a_line():
     cost = StepCost.fit({1: [1.0, 1.0], 2: [1.4], 4: [2.2], 8: [3.8]})
     assert cost.per_token == pytest.approx(0.4) and cost.per_ubatch == pytest.approx(0.6)
     assert cost.of([(0, 4)]) == pytest.approx(2.2)
+    assert StepCost.fit({1: [1.0], 3: [1.8]}).single is None  # one size of two rows or more: the line alone
+
+
+def test_a_one_token_step_costs_what_it_measured_not_what_the_line_through_longer_steps_says():
+    # SmolLM2 with flash attention on this machine's 2 cores, after 64 tokens (ms): ggml computes one row with
+    # matrix-vector products, two or more with matrix-matrix kernels
+    cost = StepCost.fit({1: [6.05], 2: [11.65], 4: [17.0], 9: [26.05]})
+    assert cost.single == pytest.approx(6.05)
+    assert cost.of([(0, 1)]) == pytest.approx(6.05)
+    assert cost.of([(0, 2)]) == pytest.approx(11.65, rel=0.05)
+    assert cost.of([(0, 1), (1, 1)]) == cost.of([(0, 2)])  # two sequences' tokens: one ubatch of two rows
+    assert cost.of([(0, 1)], padded=True) == cost.of([(0, 2)])  # batch-invariant steps pad a lone row
+    # a draft whose guesses are kept 7 times in 10 pays against the line's one-token step (~10 ms), not
+    # against the one-token step it really competes with
+    line_only = StepCost(per_ubatch=cost.per_ubatch, per_token=cost.per_token, single=None)
+    kept = Eval(0, [7, 1, 2, 3, 4, 5, 6, 7, 8], 10, draft_acceptance=0.7)
+    cut_drafts([kept], line_only)
+    assert len(kept.tokens) > 1
+    dropped = Eval(0, [7, 1, 2, 3, 4, 5, 6, 7, 8], 10, draft_acceptance=0.7)
+    cut_drafts([dropped], cost)
+    assert dropped.tokens == [7] and dropped.draft_acceptance is None
+    likely = Eval(0, [7, 1, 2, 3, 4, 5, 6, 7, 8], 10, draft_acceptance=0.95)
+    cut_drafts([likely], cost)
+    assert len(likely.tokens) > 4  # a draft that is mostly right still pays
 
 
 # -- the token loop -----------------------------------------------------------------------------------
@@ -450,3 +474,42 @@ def test_drafts_never_crowd_a_prompt_chunk_out_of_the_step(shared_steps):
         for s in seqs:
             llama_cpp.llama_memory_seq_rm(mem, s, -1, -1)
             tiny._release(s)
+
+
+class _Clock:
+    """``time`` for ``llama_slots``: the real wall clock, and a thread CPU clock that runs at ``share`` of it."""
+
+    def __init__(self, share: float):
+        import time
+
+        self.perf_counter, self.monotonic, self._real, self.share = time.perf_counter, time.monotonic, time, share
+
+    def thread_time(self) -> float:
+        return self._real.perf_counter() * self.share
+
+
+def test_steps_the_thread_spent_off_a_cpu_never_make_the_step_cost_and_no_request_drafts_without_one(monkeypatch):
+    """Four servers loading together made every measured step half a second whatever its size, so every draft
+    looked free: a step whose thread was on a CPU less than ``STEP_ON_CPU`` of its time is not counted, and
+    without a step cost a request that asks for speculation gets none (its drafts would go unweighed)."""
+    from disaggregated_inference.backends import llama_slots
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # a library imported by earlier tests may set it
+    b = loaded(deterministic=False, speculation="ngram")
+    try:
+        assert b._steps_on_cpu  # a CPU build, its threads spinning at barriers
+        b._step_cost, b._step_medians = None, {}
+        monkeypatch.setattr(llama_slots, "time", _Clock(share=0.3))  # descheduled 70% of every step
+        assert b._measure_step_cost() is None and b._step_medians == {}
+        asks = Sampling(max_new_tokens=8, temperature=0, speculation="ngram")
+        assert b._proposer(asks) is None
+        assert b.calibrate() is True  # still wanted: the owner asks again when idle
+        monkeypatch.setattr(llama_slots, "time", _Clock(share=1.0))  # the cores free
+        cost = b._measure_step_cost()
+        assert cost is not None and set(b._step_medians) == {1, 2, 4, 9}
+        assert cost.single == pytest.approx(b._step_medians[1])
+        b._step_cost, b._step_cost_retry_at = cost, 0.0
+        assert b._proposer(asks) is not None
+        assert b.calibrate() is False  # measured on free cores: nothing to measure again
+    finally:
+        b.close()

@@ -424,6 +424,12 @@ class BatchedBackend(Backend):
         token's logits are, valid until the next step) and ``alone``; return the tokens evaluated.
         An exception fails every request of the step; the others go on."""
 
+    def calibrate(self, interrupted: Callable[[], bool] = lambda: False) -> bool:
+        """Measure again what the backend measured at load beside other work (a step's cost, for speculation).
+        The owner calls it while the server and the other servers on its cores are idle; ``interrupted()``
+        turns true once a request comes (stop, keep nothing). True while the backend wants more calls."""
+        return False
+
     def run(self, request):
         """Drive one request generator (``prefill``/``decode``/``generate``) to its end on the calling
         thread, alone in every batch (tests, benchmarks, tools; a ``Wait`` polled until it is ready);

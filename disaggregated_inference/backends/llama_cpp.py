@@ -98,6 +98,9 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
         self._batch_capacity = self._n_ubatch = 0
         self._piece = 0  # prompt tokens in a step: n_batch, fewer while the cores are shared (Slots.set_threads)
         self._step_cost: StepCost | None = None  # measured at load, or at a request's first draft (speculate.py)
+        self._step_medians: dict[int, float] = {}  # step size -> its lowest median step time (Slots._measure_step_cost)
+        self._step_measures = 0
+        self._step_cost_retry_at = 0.0  # monotonic time: a request's first draft may measure the step cost again
         self._cells: llama_cells.CacheCells | None = None  # direct row access (streamed handoffs), when it checks out
         self._cells_reason: str | None = None
         self._cells_probed = False
@@ -185,8 +188,8 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
         self._verify_exact = self._verify_rows_exact() if s.deterministic else True
         if s.speculation != "off":
             self._step_cost = self._measure_step_cost()
-            progress(f"speculation {s.speculation}: a step costs {self._step_cost.per_ubatch * 1000:.2f} ms per "
-                     f"ubatch + {self._step_cost.per_token * 1000:.2f} ms per token")
+            progress(f"speculation {s.speculation}: a step costs {self._step_cost}" if self._step_cost else
+                     f"speculation {s.speculation}: waits for a step cost (other work held the cores)")
 
     def fingerprint(self) -> dict:
         return dict(self._fingerprint)
@@ -218,7 +221,8 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
                 "chat_template": self.chat.source if self.chat is not None else None,
                 "kv_streaming": self.kv_streaming, "n_batch": self.settings.n_batch,
                 "speculation": {"proposer": self.settings.speculation, "draft_max": self.settings.draft_max,
-                                "step_cost_s": self._step_cost.as_dict() if self._step_cost else None}}
+                                "step_cost_s": self._step_cost.as_dict() if self._step_cost else None,
+                                "step_cost_measures": self._step_measures}}
 
     def close(self) -> None:
         import llama_cpp

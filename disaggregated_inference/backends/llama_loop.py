@@ -31,6 +31,7 @@ from .gguf_vocab import end_tokens
 from .speculate import Lookahead, proposer
 
 log = logging.getLogger(__name__)
+STEP_COST_RETRY_SECONDS = 10.0  # a step cost measurement that found the cores busy is tried again after this
 
 
 class TokenLoop:
@@ -113,10 +114,13 @@ class TokenLoop:
         even with ``off`` (free: the answer is the same, and a right guess gives two tokens a step). The step cost is measured the first time a proposer is needed (on the owner
         thread, between steps: a fraction of a second, once)."""
         kind = sampling.speculation or self.settings.speculation
-        if kind != "off" and self._step_cost is None:
+        if kind != "off" and self._step_cost is None and time.monotonic() >= self._step_cost_retry_at:
             self._step_cost = self._measure_step_cost()
-            log.info("speculation: a step costs %.3f ms per ubatch + %.3f ms per token",
-                     self._step_cost.per_ubatch * 1000, self._step_cost.per_token * 1000)
+            self._step_cost_retry_at = time.monotonic() + STEP_COST_RETRY_SECONDS
+            if self._step_cost is not None:
+                log.info("speculation: a step costs %s", self._step_cost)
+        if kind != "off" and self._step_cost is None:
+            kind = "off"  # no step cost to weigh drafts with (other work held the cores): none this request
         return proposer(kind, self.settings.draft_max, self.settings.draft_min_match, free_row=self._free_row)
 
     def _continue(self, seq, tokens, sampler, output: chat.Output, sampling: Sampling, *, cancelled, started,

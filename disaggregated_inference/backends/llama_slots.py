@@ -18,6 +18,9 @@ llama.cpp's server does with ``cache_prompt``. See ``_acquire``.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import statistics
 import time
 
 from .base import Eval
@@ -38,6 +41,12 @@ PREFIX_MIN_TOKENS = 64
 # Rows of a chunk computed in pieces of PREFIX_MIN_TOKENS or more come out bit for bit as in the whole chunk (the
 # prefix cache relies on the same), so a piece is cut only where both sides keep that many rows.
 SHARED_PIECE = 128
+# A step cost measurement counts a step only if the thread that ran it was on a CPU this share of its time, for
+# this long at most (``Slots._measure_step_cost``)
+STEP_ON_CPU = 0.8
+MEASURE_SECONDS = 2.0
+
+log = logging.getLogger(__name__)
 
 
 class Slots:
@@ -232,7 +241,7 @@ class Slots:
         exact = not deterministic or self._verify_exact  # measured at load (_verify_rows_exact)
         if exact and self._step_cost is not None:  # alone with deterministic steps, a guess may take the padding row
             cut_drafts(evals, self._step_cost, self._n_ubatch,
-                       rows=2 if deterministic and len(evals) == 1 and self._free_row else 1)
+                       rows=2 if deterministic and len(evals) == 1 and self._free_row else 1, padded=deterministic)
         if not exact or (deterministic and self._step_cost is None and len(evals) > 1):
             # a verify step's rows would not compute as one-token steps; or no step cost to weigh guesses with
             # (speculation off: a lone sequence's guess in its padding row, which costs nothing), and beside
@@ -260,10 +269,11 @@ class Slots:
                     take = _piece_of(take, ev.pos + ev.done, piece)
                     if prompt_rows and prompt_rows + take > piece:
                         continue
-                    prompt_rows += take
             if take <= room - used:
                 chosen.append((ev, take))
                 used += take
+                if piece < chunk and take > 1 and ev.draft_acceptance is None:
+                    prompt_rows += take  # only a piece that went in keeps a later prompt's piece out
         if not chosen:
             return 0
         if deterministic:
@@ -438,10 +448,20 @@ class Slots:
             self.evaluate([ev])
         return self._row_logits(ev.row).copy()
 
-    def _measure_step_cost(self, rounds: int = 5, sizes=(1, 2, 4, 8), context: int = 64) -> StepCost:
+    def _measure_step_cost(self, rounds: int = 5, sizes=(1, 2, 4, 9), context: int = 64,
+                           interrupted=lambda: False) -> StepCost | None:
         """What a step costs this model here, for speculation to decide which drafts pay: one sequence's steps
         of ``sizes`` tokens (logits on every row, as a verify step) after a ``context``-token prompt, in a
-        free slot, ``rounds`` times after a warm-up; ``StepCost.fit`` through the medians."""
+        free slot, ``rounds`` times each after a warm-up; ``StepCost.fit`` through each size's median, the
+        lowest of every measurement so far (``_step_medians``).
+
+        Other work on the same cores only ever adds time, and not in proportion to a step's size: while the
+        four embedded servers loaded together, every step took half a second whatever its size, so every
+        draft looked free and a lone request's answers came 10-25% slower with speculation than without.
+        So where a step's time is this thread's own on a CPU (``_steps_on_cpu``), a step it spent less than
+        ``STEP_ON_CPU`` of on a CPU is not counted, for ``MEASURE_SECONDS`` at most; and ``calibrate``
+        measures again once this server and the others on its cores are idle. None where some size has no
+        step counted yet (speculation waits for one), or ``interrupted()`` turned true between steps."""
         import llama_cpp
 
         context = max(1, min(context, self.settings.n_ctx - max(sizes)))
@@ -451,21 +471,70 @@ class Slots:
         text = b"Every row of the quarterly sales table lists a store, a region and its revenue. "
         ids = self.model.tokenize(text * (1 + (context + max(sizes)) // 8), add_bos=True, special=False)
         mem = llama_cpp.llama_get_memory(self.ctx.ctx)
+        on_cpu = STEP_ON_CPU if self._steps_on_cpu else 0.0
         seq, _ = self._acquire()
         timings: dict[int, list[float]] = {n: [] for n in sizes}
+        cost, self._step_cost = self._step_cost, None  # each step whole: no cutting its guesses (evaluate)
         try:
             self.logits(seq, ids[:context])
-            for round_ in range(rounds + 1):
+            for n in sizes:  # a warm-up
+                self.evaluate([Eval(seq, ids[context:context + n], context, draft_acceptance=1.0)])
+                llama_cpp.llama_memory_seq_rm(mem, seq, context, -1)
+            deadline, dropped = time.perf_counter() + MEASURE_SECONDS, 0
+            while (any(len(ts) < rounds for ts in timings.values()) and time.perf_counter() < deadline
+                   and dropped < 2 * len(sizes)):  # every step of two rounds dropped: the cores are not free now
                 for n in sizes:
+                    if interrupted():
+                        return None
                     ev = Eval(seq, ids[context:context + n], context, draft_acceptance=1.0)
-                    started = time.perf_counter()
+                    started, cpu = time.perf_counter(), time.thread_time()
                     self.evaluate([ev])
-                    if round_:  # the first round warms up
-                        timings[n].append(time.perf_counter() - started)
+                    wall = time.perf_counter() - started
+                    if time.thread_time() - cpu >= on_cpu * wall:
+                        dropped = 0
+                        if len(timings[n]) < rounds:
+                            timings[n].append(wall)
+                    else:
+                        dropped += 1
                     llama_cpp.llama_memory_seq_rm(mem, seq, context, -1)
         finally:
+            self._step_cost = cost
             self._release(seq)
-        return StepCost.fit(timings)
+        for n, ts in timings.items():
+            if ts:
+                median = statistics.median(ts)
+                self._step_medians[n] = min(self._step_medians.get(n, median), median)
+        self._step_measures += 1
+        if any(n not in self._step_medians for n in sizes):
+            log.info("speculation: no step cost yet (other work held the cores while it was measured)")
+            return None
+        return StepCost.fit({n: [t] for n, t in self._step_medians.items()})
+
+    @property
+    def _steps_on_cpu(self) -> bool:
+        """Whether the thread that runs a step spends all of it on a CPU when it has one: it computes on the CPU
+        (no layers on a GPU, where it would wait for the device) and its partners spin at barriers, not sleep
+        (``OMP_WAIT_POLICY=PASSIVE``: ``server.openmp_wait: sleep``)."""
+        import llama_cpp
+
+        on_gpu = self.settings.n_gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload()
+        sleeps = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+        return not on_gpu and not sleeps
+
+    def calibrate(self, interrupted=lambda: False) -> bool:
+        """Measure the step cost again (``_measure_step_cost``; ``BatchedBackend.calibrate``): the owner asks while
+        the server and the other servers on its cores are idle, since the measurement at load may have run beside
+        other servers' loads: where it found no step cost yet, or where it cannot tell such steps
+        (``_steps_on_cpu``). False where nothing is left to measure."""
+        wanted = self.settings.speculation != "off" or self._step_medians
+        if not wanted or (self._step_cost is not None and self._steps_on_cpu):
+            return False
+        cost = self._measure_step_cost(interrupted=interrupted)
+        if cost is not None:
+            if cost != self._step_cost:
+                log.info("speculation: a step costs %s (measured again while idle; was %s)", cost, self._step_cost)
+            self._step_cost = cost
+        return True
 
 
 def _piece_of(take: int, start: int, piece: int) -> int:

@@ -183,34 +183,53 @@ def proposer(kind: str, max_draft: int = 8, min_match: int = 3, free_row: bool =
 
 @dataclass(frozen=True)
 class StepCost:
-    """Time of one model step: ``per_ubatch + per_token * n`` for each ubatch of ``n`` tokens llama.cpp
-    splits it into (seconds, or any unit: only ratios are used). ``per_ubatch`` is mostly reading the
-    weights, ``per_token`` the arithmetic. The default is the probe's SmolLM2 table on 2 CPU cores
-    (a k-token step costs 0.6 + 0.4 k one-token steps); ``fit`` makes one from timings."""
+    """Time of one model step: for each ubatch of ``n`` tokens llama.cpp splits it into, ``single`` where
+    ``n`` is 1, else ``per_ubatch + per_token * n`` (seconds, or any unit: only ratios are used).
+    ``per_ubatch`` is mostly reading the weights, ``per_token`` the arithmetic. A one-row ubatch is apart
+    because ggml computes it with matrix-vector products, not the matrix-matrix kernels of two rows or
+    more: a line through every size put SmolLM2's one-token step at 1.6 times what it costs on 2 CPU
+    cores, so a two-row verify step looked a quarter dearer than a one-token step where it costs twice
+    as much, and drafts that lost time looked as if they paid. The default is SmolLM2 with flash
+    attention on 2 cores after 64 tokens (one-token step 6.1 ms, 2 rows 11.7, 9 rows 26.1: a k-row step
+    costs 1.4 + 0.33 k one-token steps); ``fit`` makes one from timings."""
 
-    per_ubatch: float = 0.6
-    per_token: float = 0.4
+    per_ubatch: float = 1.4
+    per_token: float = 0.33
+    single: float | None = 1.0  # None: the line, as for any other size
 
     @classmethod
     def fit(cls, timings: dict[int, list[float]]) -> "StepCost":
-        """Least squares through the median time of each step size (``{tokens: [seconds, ...]}``)."""
+        """Least squares through the median time of each step size of two tokens or more
+        (``{tokens: [seconds, ...]}``), and the one-token step's own median; through every size where
+        fewer than two sizes have two tokens or more."""
         points = [(n, statistics.median(ts)) for n, ts in sorted(timings.items()) if ts]
         if len(points) < 2:
             raise ValueError("a step cost needs timings of two step sizes or more")
-        mx = statistics.fmean(n for n, _ in points)
-        my = statistics.fmean(t for _, t in points)
-        sxx = sum((n - mx) ** 2 for n, _ in points)
-        slope = sum((n - mx) * (t - my) for n, t in points) / sxx
+        single = next((t for n, t in points if n == 1), None)
+        rows = [(n, t) for n, t in points if n > 1]
+        if len(rows) < 2:
+            rows, single = points, None
+        mx = statistics.fmean(n for n, _ in rows)
+        my = statistics.fmean(t for _, t in rows)
+        sxx = sum((n - mx) ** 2 for n, _ in rows)
+        slope = sum((n - mx) * (t - my) for n, t in rows) / sxx
         one = points[0][1] / points[0][0]  # a floor: no step is cheaper per token than a tiny share of the first
         slope = max(slope, 0.02 * one)
-        return cls(per_ubatch=max(my - slope * mx, 0.0), per_token=slope)
+        return cls(per_ubatch=max(my - slope * mx, 0.0), per_token=slope, single=single)
 
-    def of(self, counts: Sequence[tuple[int, int]], n_ubatch: int = 512) -> float:
-        """Cost of a step that evaluates ``counts``: (sequence id, tokens) in ascending id order."""
-        return sum(self.per_ubatch + self.per_token * n for n in ubatches(counts, n_ubatch))
+    def of(self, counts: Sequence[tuple[int, int]], n_ubatch: int = 512, padded: bool = False) -> float:
+        """Cost of a step that evaluates ``counts``: (sequence id, tokens) in ascending id order. ``padded``:
+        batch-invariant steps, where no ubatch is computed with one row (``Slots._pads``)."""
+        return sum(self.single if n == 1 and self.single is not None and not padded
+                   else self.per_ubatch + self.per_token * max(n, 2 if padded else 1)
+                   for n in ubatches(counts, n_ubatch))
 
     def as_dict(self) -> dict:
-        return {"per_ubatch": self.per_ubatch, "per_token": self.per_token}
+        return {"per_ubatch": self.per_ubatch, "per_token": self.per_token, "single": self.single}
+
+    def __str__(self) -> str:
+        one = f"{self.single * 1000:.2f} ms for one token, " if self.single is not None else ""
+        return f"{one}{self.per_ubatch * 1000:.2f} ms per ubatch + {self.per_token * 1000:.2f} ms per token"
 
 
 def ubatches(counts: Sequence[tuple[int, int]], n_ubatch: int = 512) -> list[int]:
@@ -249,12 +268,13 @@ def expected_tokens(acceptance: float, guesses: int) -> float:
     return total
 
 
-def cut_drafts(evals: list, cost: StepCost, n_ubatch: int = 512, rows: int = 1) -> None:
+def cut_drafts(evals: list, cost: StepCost, n_ubatch: int = 512, rows: int = 1, padded: bool = False) -> None:
     """Cut the drafts of one step (``Eval``\\ s whose ``draft_acceptance`` is set: ``tokens[1:]`` are
     guesses) to the lengths that maximise the step's expected emitted tokens per unit of time, one
     sequence at a time while that gains. ``tokens`` and ``draft_acceptance`` are changed in place (a
     draft cut to nothing becomes a plain one-token step). ``rows``: the fewest rows a sequence's step
-    evaluates (2: a lone sequence's padding row under batch-invariant steps, which a guess may take)."""
+    evaluates (2: a lone sequence's padding row under batch-invariant steps, which a guess may take);
+    ``padded``: batch-invariant steps (``StepCost.of``)."""
     drafted = [ev for ev in evals if ev.draft_acceptance is not None]
     if not drafted:
         return
@@ -266,7 +286,7 @@ def cut_drafts(evals: list, cost: StepCost, n_ubatch: int = 512, rows: int = 1) 
     def value(choice: dict) -> float:
         counts = sorted(plain + [(ev.seq, max(rows, 1 + choice[id(ev)])) for ev in drafted])
         tokens = emitting + sum(expected_tokens(ev.draft_acceptance, choice[id(ev)]) for ev in drafted)
-        return tokens / cost.of(counts, n_ubatch)
+        return tokens / cost.of(counts, n_ubatch, padded)
 
     best = value(keep)
     while True:

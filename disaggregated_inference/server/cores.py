@@ -277,7 +277,7 @@ class CoreShare:
             self._busy = 0
 
     def busy_peers(self) -> int:
-        """How many other servers of the group are computing now (diagnostics)."""
+        """How many other servers of the group are computing now (diagnostics; the owner calibrates only at 0)."""
         return len(self._peers_wanting(time.monotonic()))
 
     def describe(self) -> dict:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import logging
 import queue
+import random
 import threading
 import time
 import weakref
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 _STOP = object()
 _WAKE = object()
 PARKED_POLL_SECONDS = 1.0  # a parked request's ready() is checked at least this often, woken or not
+# idle this long (and the other servers on its cores too), the backend measures again (BatchedBackend.calibrate):
+# once after each of these, counted from the last request or measurement
+CALIBRATE_AFTER_IDLE = (2.0, 15.0, 120.0)
 
 
 def _is_eval(item) -> bool:
@@ -303,14 +307,22 @@ class ModelOwner:
 
     def _serve_batched(self) -> None:
         active: list[_Task] = []
+        calibrations = iter(CALIBRATE_AFTER_IDLE)
+        calibrate_after = next(calibrations)  # None once the backend wants no more (BatchedBackend.calibrate)
         while True:
             stepping = any(_is_eval(t.pending) for t in active)
             if not stepping and self.cores is not None:  # nothing to compute (parked requests wait on the network)
                 self.cores.idle()
             try:  # wait for work only when there is nothing to step (parked requests are looked at now and then)
-                job = self._jobs.get(block=not stepping, timeout=PARKED_POLL_SECONDS if active else None)
+                job = self._jobs.get(block=not stepping, timeout=PARKED_POLL_SECONDS if active
+                                     else calibrate_after)
             except queue.Empty:
                 job = None
+                if not active and calibrate_after is not None and (self.cores is None or not self.cores.busy_peers()):
+                    more = self._calibrate()
+                    calibrate_after = next(calibrations, None) if more else None
+                    if calibrate_after is not None:  # the servers of a machine load together: not in step
+                        calibrate_after += random.uniform(0, 1)
             while job is not None:
                 if job is _STOP:
                     for task in active:
@@ -353,6 +365,22 @@ class ModelOwner:
                     task.job.progress.evaluated += task.pending.done - done
                 if task.pending.complete:
                     self._advance(task, active)
+
+    def _calibrate(self) -> bool:
+        """The backend's measurements again, the server idle (a request that comes meanwhile stops them)."""
+        calibrate = getattr(self.backend, "calibrate", None)
+        if calibrate is None:
+            return False
+        if self.cores is not None:  # busy on the board: the other servers' own calibrations wait for this one
+            self._take_cores()
+        try:
+            return calibrate(interrupted=lambda: not self._jobs.empty())
+        except Exception:  # a measurement is not worth the server
+            log.exception("calibration failed")
+            return False
+        finally:
+            if self.cores is not None:
+                self.cores.idle()
 
     def _take_cores(self) -> None:
         """This step's share of the machine's cores (the backend keeps a count until it changes)."""
