@@ -15,8 +15,9 @@ import pytest
 
 from disaggregated_inference.backends import ModelSettings, create
 from disaggregated_inference.backends.base import Eval, Prompt, Sampling
-from disaggregated_inference.backends.speculate import (GIVE_UP_AFTER, Draft, Proposer, PromptLookup, StepCost,
-                                                        cut_drafts, expected_tokens, split, ubatches)
+from disaggregated_inference.backends.speculate import (GIVE_UP_AFTER, MATCH_PRIORS, Draft, DraftRecord, Proposer,
+                                                        PromptLookup, StepCost, cut_drafts, expected_tokens, split,
+                                                        ubatches)
 
 from .conftest import tiny_model_settings
 
@@ -513,3 +514,32 @@ def test_steps_the_thread_spent_off_a_cpu_never_make_the_step_cost_and_no_reques
         assert b.calibrate() is False  # measured on free cores: nothing to measure again
     finally:
         b.close()
+
+
+def test_a_server_whose_drafts_keep_failing_starts_new_sequences_without_drafting_and_recovers():
+    """The server's ``DraftRecord`` gives each new sequence its odds: after drafts of 3-token matches that
+    kept nothing, a new sequence's first draft of such a match no longer pays (``cut_drafts``), where the
+    code-analysis priors alone would draft it whole; drafts that hold bring the odds back."""
+    cost = StepCost.fit({1: [6.05], 2: [11.65], 4: [17.0], 9: [26.05]})  # SmolLM2, 2 cores (ms)
+    history = [5, 6, 7, 1, 2, 3, 4, 8, 5, 6, 7]  # ends in a 3-token match of what came first
+
+    def first_draft(record):
+        p = PromptLookup(max_draft=8, min_match=3, record=record)
+        draft = p.propose(history)
+        ev = Eval(0, [history[-1], *draft.tokens], 10, draft_acceptance=draft.acceptance)
+        cut_drafts([ev], cost)
+        return p, ev
+
+    record = DraftRecord()
+    assert len(first_draft(record)[1].tokens) > 1  # the priors: a 3-token match's guesses are kept 9 times in 10
+    for _ in range(6):  # six sequences, each with one failed draft of a 3-token match
+        p, _ = first_draft(record)
+        p.feedback(0, 8)
+    p, ev = first_draft(record)
+    assert ev.tokens == [history[-1]] and ev.draft_acceptance is None
+    assert record.odds()[2] < 0.5 and record.odds()[4] == pytest.approx(MATCH_PRIORS[4])  # other lengths untouched
+    for _ in range(40):  # drafts that hold
+        p, _ = first_draft(record)
+        p.feedback(8, 8)
+    assert len(first_draft(record)[1].tokens) > 1
+    assert len(first_draft(None)[1].tokens) > 1  # no record: the priors, as before

@@ -39,7 +39,7 @@ from .llama_handoff import StateHandoff
 from .llama_loop import TokenLoop
 from .llama_slots import Slots
 from .options import option
-from .speculate import PROPOSERS, StepCost
+from .speculate import PROPOSERS, DraftRecord, StepCost
 
 TILED_MATMUL_ENV = "GGML_CPU_TILED_MM"  # ggml-cpu/tiled/tiled.cpp: 0 turns its K-quant tiled matmul off
 
@@ -100,6 +100,7 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
         self._step_cost: StepCost | None = None  # measured at load, or at a request's first draft (speculate.py)
         self._step_medians: dict[int, float] = {}  # step size -> its lowest median step time (Slots._measure_step_cost)
         self._step_measures = 0
+        self._draft_record = DraftRecord()  # how often this server's recent drafts were right (speculate.py)
         self._step_cost_retry_at = 0.0  # monotonic time: a request's first draft may measure the step cost again
         self._cells: llama_cells.CacheCells | None = None  # direct row access (streamed handoffs), when it checks out
         self._cells_reason: str | None = None
@@ -222,7 +223,8 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
                 "kv_streaming": self.kv_streaming, "n_batch": self.settings.n_batch,
                 "speculation": {"proposer": self.settings.speculation, "draft_max": self.settings.draft_max,
                                 "step_cost_s": self._step_cost.as_dict() if self._step_cost else None,
-                                "step_cost_measures": self._step_measures}}
+                                "step_cost_measures": self._step_measures,
+                                "guess_odds": [round(p, 3) for p in self._draft_record.odds()]}}
 
     def close(self) -> None:
         import llama_cpp

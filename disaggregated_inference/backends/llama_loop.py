@@ -121,7 +121,8 @@ class TokenLoop:
                 log.info("speculation: a step costs %s", self._step_cost)
         if kind != "off" and self._step_cost is None:
             kind = "off"  # no step cost to weigh drafts with (other work held the cores): none this request
-        return proposer(kind, self.settings.draft_max, self.settings.draft_min_match, free_row=self._free_row)
+        return proposer(kind, self.settings.draft_max, self.settings.draft_min_match, free_row=self._free_row,
+                        record=self._draft_record)
 
     def _continue(self, seq, tokens, sampler, output: chat.Output, sampling: Sampling, *, cancelled, started,
                   recomputed, extra, canary: dict | None = None, evaluated: Eval | None = None, drafts=None):
