@@ -512,6 +512,12 @@ def test_steps_the_thread_spent_off_a_cpu_never_make_the_step_cost_and_no_reques
         b._step_cost, b._step_cost_retry_at = cost, 0.0
         assert b._proposer(asks) is not None
         assert b.calibrate() is False  # measured on free cores: nothing to measure again
+        taken = [b._acquire()[0] for _ in range(len(b._free))]  # every slot busy: no slot to measure in
+        try:
+            assert b._measure_step_cost() is None
+        finally:
+            for seq in taken:
+                b._release(seq)
     finally:
         b.close()
 
