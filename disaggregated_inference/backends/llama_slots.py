@@ -477,28 +477,31 @@ class Slots:
         seq, _ = self._acquire()
         timings: dict[int, list[float]] = {n: [] for n in sizes}
         cost, self._step_cost = self._step_cost, None  # each step whole: no cutting its guesses (evaluate)
+
+        def step(n: int) -> tuple[float, float]:  # one verify step of n rows, then its cells dropped: (wall, CPU)
+            started, cpu = time.perf_counter(), time.thread_time()
+            self.evaluate([Eval(seq, ids[context:context + n], context, draft_acceptance=1.0)])
+            wall, cpu = time.perf_counter() - started, time.thread_time() - cpu
+            llama_cpp.llama_memory_seq_rm(mem, seq, context, -1)
+            return wall, cpu
+
         try:
             self.logits(seq, ids[:context])
             for n in sizes:  # a warm-up
-                self.evaluate([Eval(seq, ids[context:context + n], context, draft_acceptance=1.0)])
-                llama_cpp.llama_memory_seq_rm(mem, seq, context, -1)
+                step(n)
             deadline, dropped = time.perf_counter() + MEASURE_SECONDS, 0
             while (any(len(ts) < rounds for ts in timings.values()) and time.perf_counter() < deadline
                    and dropped < 2 * len(sizes)):  # every step of two rounds dropped: the cores are not free now
                 for n in sizes:
                     if interrupted():
                         return None
-                    ev = Eval(seq, ids[context:context + n], context, draft_acceptance=1.0)
-                    started, cpu = time.perf_counter(), time.thread_time()
-                    self.evaluate([ev])
-                    wall = time.perf_counter() - started
-                    if time.thread_time() - cpu >= on_cpu * wall:
+                    wall, cpu = step(n)
+                    if cpu >= on_cpu * wall:
                         dropped = 0
                         if len(timings[n]) < rounds:
                             timings[n].append(wall)
                     else:
                         dropped += 1
-                    llama_cpp.llama_memory_seq_rm(mem, seq, context, -1)
         finally:
             self._step_cost = cost
             self._release(seq)
