@@ -85,7 +85,12 @@ class DraftRecord:
 
     def odds(self) -> list[float]:
         """The chance that a guess is kept, by match length (1, 2, ...), as ``MATCH_PRIORS``."""
-        return [k / (k + m) for k, m in zip(self._kept, self._missed)]
+        return [self.odds_at(b) for b in range(len(self._kept))]
+
+    def odds_at(self, bucket: int) -> float:
+        """The chance that a guess from a match of ``bucket + 1`` tokens is kept."""
+        b = min(bucket, len(self._kept) - 1)
+        return self._kept[b] / (self._kept[b] + self._missed[b])
 
     def add(self, bucket: int, accepted: int, missed: bool) -> None:
         """A draft from a match of ``bucket + 1`` tokens kept ``accepted`` guesses, and ended in a rejected one
@@ -136,15 +141,13 @@ class PromptLookup(Proposer):
         self._after: list[dict] = [{} for _ in range(self.max_ngram)]  # n - 1 -> {n-gram: index after it}
         self._indexed = 0  # n-grams ending before this index are in ``_after``
         priors = list(priors) + [priors[-1]] * (self.max_ngram - len(priors))
-        self._kept = [weight * p for p in priors]        # per match length: guesses accepted (and the prior's)
-        self._missed = [weight * (1 - p) for p in priors]  # drafts that ended in a rejected guess
+        self._own = DraftRecord(priors, weight, fade=1.0)  # this sequence's drafts, on top of the priors
         self._bucket: int | None = None
         self._failures = 0
         self.stopped = False
 
     def acceptance(self, match: int) -> float:
-        b = min(match, self.max_ngram) - 1
-        return self._kept[b] / (self._kept[b] + self._missed[b])
+        return self._own.odds_at(min(match, self.max_ngram) - 1)
 
     def _index(self, history: Sequence[int]) -> None:
         after, top = self._after, self.max_ngram
@@ -181,9 +184,7 @@ class PromptLookup(Proposer):
     def feedback(self, accepted: int, drafted: int) -> None:
         if self._bucket is None or drafted <= 0:
             return
-        self._kept[self._bucket] += accepted
-        if accepted < drafted:
-            self._missed[self._bucket] += 1
+        self._own.add(self._bucket, accepted, accepted < drafted)
         if self.record is not None:
             self.record.add(self._bucket, accepted, accepted < drafted)
         if self._free:  # a guess in a row the step had anyway: it neither stops nor resumes the drafting
