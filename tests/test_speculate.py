@@ -72,6 +72,45 @@ def test_a_free_row_gets_a_guess_where_no_draft_matches():
     assert PromptLookup(min_match=3).propose([1, 2, 9, 1, 2, 5]) is None  # without it: no draft
 
 
+def test_a_filler_guesses_from_a_shorter_match_while_the_sequence_drafts():
+    """``filler`` (``ngram``'s proposer): where no match of ``min_match`` tokens drafts, one guess from the
+    longest shorter match, for ``cut_drafts`` to weigh in a step of several sequences. No match at all: no
+    guess (the last token again is for a free row only). Its misses never stop the real drafts, and a
+    sequence that stopped drafting offers none."""
+    p = PromptLookup(max_draft=4, min_match=3, filler=True)
+    draft = p.propose([1, 2, 9, 1, 2])
+    assert draft.tokens == [9] and draft.acceptance == pytest.approx(MATCH_PRIORS[1])  # a 2-token match's odds
+    assert p.propose([1, 2, 9, 1, 2, 5]) is None  # nothing matches
+    for _ in range(2 * GIVE_UP_AFTER):
+        p.propose([1, 2, 9, 1, 2, 5, 7, 2])
+        p.feedback(0, 1)
+    assert not p.stopped and p.propose([1, 2, 9, 1, 2, 5, 7, 2, 1, 2, 9]).tokens == [1, 2, 5, 7]
+    for _ in range(GIVE_UP_AFTER):
+        p.propose([1, 2, 9, 1, 2, 5, 7, 2, 1, 2, 9])
+        p.feedback(0, 4)
+    assert p.stopped and p.propose([1, 2, 9, 1, 2, 5, 7, 2, 1, 2, 9, 1]) is None
+    assert PromptLookup(min_match=3).propose([1, 2, 9, 1, 2]) is None  # without it: no draft
+
+
+def test_cut_drafts_gives_every_sequence_of_a_step_a_guess_where_one_ubatch_of_them_pays():
+    """Sequences that carry the same number of tokens are one ubatch; a draft longer than the others makes
+    a ubatch of its own. So one guess in each of four sequences pays at odds where one more guess in any
+    one of them alone does not: a search that adds guesses one sequence at a time never finds it."""
+    cost = StepCost.fit({1: [6.28], 2: [11.6], 4: [17.0], 9: [26.96]})  # SmolLM2, 2 cores (ms)
+    four = [Eval(s, [7, 1, 2, 3], 10, draft_acceptance=0.6) for s in range(4)]
+    cut_drafts(four, cost)
+    assert [len(ev.tokens) for ev in four] == [2, 2, 2, 2]  # 4 x 1.6 tokens for 25.0 ms against 4 for 16.4
+    one = [Eval(0, [7, 1, 2, 3], 10, draft_acceptance=0.6)] + [Eval(s, [5], 10) for s in range(1, 4)]
+    cut_drafts(one, cost)
+    assert [len(ev.tokens) for ev in one] == [1, 1, 1, 1]  # its guesses would be a second ubatch
+    weak = [Eval(s, [7, 1, 2, 3], 10, draft_acceptance=0.3) for s in range(4)]
+    cut_drafts(weak, cost)
+    assert all(ev.tokens == [7] and ev.draft_acceptance is None for ev in weak)
+    mixed = [Eval(s, [7, 1, 2, 3], 10, draft_acceptance=0.95) for s in range(3)] + [Eval(3, [5], 10)]
+    cut_drafts(mixed, cost)
+    assert [len(ev.tokens) for ev in mixed] == [4, 4, 4, 1]
+
+
 def test_cut_drafts_keeps_a_guess_in_a_row_the_step_pays_for_anyway():
     cost = StepCost(per_ubatch=0.6, per_token=0.4)
     padded = Eval(0, [7, 1], 10, draft_acceptance=0.1)
