@@ -64,6 +64,11 @@ OPENMP_WAITS = ("auto", "spin", "sleep")  # server.openmp_wait
 # 100,000 (libgomp's default 156-162), and the decode servers with two models busy ran as fast at 30,000 as at
 # 10,000 (137 against 139 tok/s, 158 against 159 at 8 at once: docs/benchmarks.md, "The spin count").
 SHARED_SPIN_COUNT = 30000
+# A step whose thread was on a CPU this share of its wall time ran on free cores: it computed, or spun at a barrier
+# while its partner computed. Less, and it waited for a core some other work held. The step cost measurement counts
+# only such steps (backends/llama_slots.py), and a server that left one thread for a while tries all of them again
+# once its steps run so (server/cores.py, ``Contention.FREE``).
+STEP_ON_CPU = 0.8
 
 
 def openmp_wait(policy: str, compute_threads: int, cpus: int | None = None, shared: bool = False) -> str:

@@ -23,6 +23,7 @@ import os
 import statistics
 import time
 
+from ..tuning import STEP_ON_CPU
 from .base import Eval
 from .speculate import StepCost, cut_drafts, split
 
@@ -41,9 +42,8 @@ PREFIX_MIN_TOKENS = 64
 # Rows of a chunk computed in pieces of PREFIX_MIN_TOKENS or more come out bit for bit as in the whole chunk (the
 # prefix cache relies on the same), so a piece is cut only where both sides keep that many rows.
 SHARED_PIECE = 128
-# A step cost measurement counts a step only if the thread that ran it was on a CPU this share of its time, for
-# this long at most (``Slots._measure_step_cost``)
-STEP_ON_CPU = 0.8
+# A step cost measurement counts a step only if the thread that ran it was on a CPU ``tuning.STEP_ON_CPU`` of its
+# time, for this long at most (``Slots._measure_step_cost``)
 MEASURE_SECONDS = 2.0
 
 log = logging.getLogger(__name__)

@@ -44,6 +44,8 @@ import os
 import tempfile
 import time
 from pathlib import Path
+
+from ..tuning import STEP_ON_CPU
 from .settings import engine_threads
 
 log = logging.getLogger(__name__)
@@ -114,7 +116,7 @@ class Contention:
     again from ``HOLD_MIN`` once the steps have run on a CPU ``FREE`` of their time for ``HOLD_MIN``.
     """
 
-    COLLAPSED, FREE = 0.4, 0.8
+    COLLAPSED, FREE = 0.4, STEP_ON_CPU
     STEPS = 2
     HOLD_MIN, HOLD_MAX = 2.0, 32.0
     MIN_STEP = 0.001  # shorter steps say too little
