@@ -468,12 +468,12 @@ class Slots:
         sizes = [n for n in sizes if context + n <= self.settings.n_ctx]
         if len(sizes) < 2:
             return StepCost()
+        if not self._free:  # a request's first draft with every slot taken: the next one measures
+            return None
         text = b"Every row of the quarterly sales table lists a store, a region and its revenue. "
         ids = self.model.tokenize(text * (1 + (context + max(sizes)) // 8), add_bos=True, special=False)
         mem = llama_cpp.llama_get_memory(self.ctx.ctx)
         on_cpu = STEP_ON_CPU if self._steps_on_cpu else 0.0
-        if not self._free:  # a request's first draft with every slot taken: the next one measures
-            return None
         seq, _ = self._acquire()
         timings: dict[int, list[float]] = {n: [] for n in sizes}
         cost, self._step_cost = self._step_cost, None  # each step whole: no cutting its guesses (evaluate)
