@@ -113,7 +113,7 @@ class ThreadedFake:
         self.set_to.append((n, shared))
         self.threads = n
 
-    def evaluate(self, evals):
+    def evaluate(self, evals, waiting=0):
         self.steps.append(self.threads)
         for ev in evals:
             ev.done, ev.row = len(ev.tokens), 0

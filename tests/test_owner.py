@@ -155,7 +155,7 @@ class BatchedFake:
     def close(self):
         pass
 
-    def evaluate(self, evals):
+    def evaluate(self, evals, waiting=0):
         self.steps.append(sorted(e.seq for e in evals))
         for ev in evals:
             ev.done = len(ev.tokens)
@@ -188,6 +188,34 @@ def test_a_batched_backend_steps_every_active_request_in_one_batch():
     assert [e.piece for e in got_a[:-1]] == [f"{seq_a}:{seq_a}"] * 50  # each got its own row back
     assert any(step == sorted([seq_a, seq_b]) for step in backend.steps)  # both advanced in one step
     assert sorted(backend.free) == [0, 1, 2, 3] and owner.slot_stats()["busy"] == 0
+
+
+def test_each_step_is_told_how_many_requests_wait_for_a_slot():
+    """Speculation weighs drafts otherwise when no request waits (``speculate.shares``)."""
+    backend = BatchedFake()
+    seen = []
+    step = backend.evaluate
+    backend.evaluate = lambda evals, waiting=0: (seen.append(waiting), step(evals))[1]
+    owner = ready_owner(backend)
+    held = [owner.reserve() for _ in range(BatchedFake.slots - 1)]
+    running = owner.stream(lambda b, cancelled: b.count(10**7, cancelled))
+    waiter = threading.Thread(target=lambda: owner.reserve().release())
+    waiter.start()
+    deadline = time.time() + 5
+    while owner.queued < 1 and time.time() < deadline:
+        time.sleep(0.001)
+    assert owner.queued == 1
+    n = len(seen)
+    while len(seen) < n + 5 and time.time() < deadline:
+        time.sleep(0.001)
+    for h in held:
+        h.release()
+    waiter.join(5)
+    n = len(seen)
+    while len(seen) < n + 5 and time.time() < deadline:
+        time.sleep(0.001)
+    running.close()
+    assert 1 in seen and seen[-1] == 0  # one waited while the others were held; none once it had its slot
 
 
 def test_a_cancelled_batched_stream_frees_its_slot_and_sequence():

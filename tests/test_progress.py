@@ -150,7 +150,7 @@ def test_the_owner_counts_the_prompt_tokens_it_evaluates_for_a_request():
         def load(self, progress):
             pass
 
-        def evaluate(self, evals):
+        def evaluate(self, evals, waiting=0):
             for ev in evals:
                 ev.done = min(len(ev.tokens), ev.done + 10)
                 ev.row = 0

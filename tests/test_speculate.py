@@ -16,7 +16,7 @@ import pytest
 from disaggregated_inference.backends import ModelSettings, create
 from disaggregated_inference.backends.base import Eval, Prompt, Sampling
 from disaggregated_inference.backends.speculate import (GIVE_UP_AFTER, MATCH_PRIORS, Draft, DraftRecord, Proposer,
-                                                        PromptLookup, StepCost, cut_drafts, expected_tokens, split,
+                                                        PromptLookup, StepCost, cut_drafts, expected_tokens, shares, split,
                                                         ubatches)
 
 from .conftest import tiny_model_settings
@@ -109,6 +109,24 @@ def test_cut_drafts_gives_every_sequence_of_a_step_a_guess_where_one_ubatch_of_t
     mixed = [Eval(s, [7, 1, 2, 3], 10, draft_acceptance=0.95) for s in range(3)] + [Eval(3, [5], 10)]
     cut_drafts(mixed, cost)
     assert [len(ev.tokens) for ev in mixed] == [4, 4, 4, 1]
+
+
+def test_with_no_request_waiting_an_answer_ahead_of_the_others_drafts_less():
+    """Draining (no request waits for a slot), the answer with most left decides when the step's answers
+    are all done: a token of one far ahead is worth its share of what is left (``shares``), and its draft,
+    which pays where every token counts alike, no longer does. Ids 0 and 2: a ubatch each (``split``)."""
+    cost = StepCost.fit({1: [6.28], 2: [11.6], 4: [17.0], 9: [26.96]})  # SmolLM2, 2 cores (ms)
+
+    def step(drain: bool) -> list[int]:
+        behind = Eval(0, [7, 1, 2, 3], 10, draft_acceptance=0.9, left=192)
+        ahead = Eval(2, [7, 1, 2, 3], 10, draft_acceptance=0.9, left=20)
+        cut_drafts([behind, ahead], cost, drain=drain)
+        return [len(behind.tokens), len(ahead.tokens)]
+
+    assert step(drain=False) == [4, 4]
+    assert step(drain=True) == [4, 1]
+    evals = [Eval(0, [7], 10, left=40), Eval(1, [7], 10, left=160), Eval(3, list(range(20)), 0, logits=False)]
+    assert [round(w, 2) for w in shares(evals).values()] == [0.25, 1.0]  # a prompt's chunk has no share
 
 
 def test_cut_drafts_keeps_a_guess_in_a_row_the_step_pays_for_anyway():

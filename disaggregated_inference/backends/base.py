@@ -202,6 +202,7 @@ class Eval:
     row: int = -1
     alone: bool = False  # its last step evaluated no other sequence (batching moves logits)
     draft_acceptance: float | None = None
+    left: int | None = None  # tokens the answer may still have (its budget left); None: not an answer's step
 
     @property
     def complete(self) -> bool:
@@ -418,11 +419,12 @@ class BatchedBackend(Backend):
     batched: ClassVar[bool] = True
 
     @abc.abstractmethod
-    def evaluate(self, evals: list[Eval]) -> int:
+    def evaluate(self, evals: list[Eval], waiting: int = 0) -> int:
         """One step over the pending requests: evaluate as many of each ``Eval``'s remaining tokens as
         the batch holds (advancing ``done``), give each completed one its ``row`` (where its last
         token's logits are, valid until the next step) and ``alone``; return the tokens evaluated.
-        An exception fails every request of the step; the others go on."""
+        ``waiting``: requests waiting for a slot. An exception fails every request of the step; the
+        others go on."""
 
     def calibrate(self, interrupted: Callable[[], bool] = lambda: False) -> bool:
         """Measure again what the backend measured at load beside other work (a step's cost, for speculation).

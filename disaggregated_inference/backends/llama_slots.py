@@ -17,6 +17,8 @@ llama.cpp's server does with ``cache_prompt``. See ``_acquire``.
 """
 from __future__ import annotations
 
+import os as _os
+_TRACE = open(_os.environ['DISAGG_STEP_TRACE'] + str(_os.getpid()), 'w', buffering=1) if _os.environ.get('DISAGG_STEP_TRACE') else None
 import contextlib
 import logging
 import os
@@ -212,7 +214,7 @@ class Slots:
 
     # -- the batch --------------------------------------------------------------------------------
 
-    def evaluate(self, evals: list[Eval]) -> int:
+    def evaluate(self, evals: list[Eval], waiting: int = 0) -> int:
         """One step over the pending requests; returns the tokens evaluated (padding not counted).
 
         Single tokens (generating sequences) all go in; then each prompt's next
@@ -233,7 +235,8 @@ class Slots:
         ids dense for the same reason.
 
         A speculative step (``draft_acceptance``) goes in whole, with logits on every row, after its
-        guesses are cut to what pays in this step (``speculate.cut_drafts``).
+        guesses are cut to what pays in this step (``speculate.cut_drafts``; with no request ``waiting``
+        for a slot, a token of an answer ahead of the others is worth less: ``speculate.shares``).
         """
         deterministic = self.settings.deterministic
         room, used, chosen = self._batch_capacity, 0, []
@@ -241,7 +244,8 @@ class Slots:
         exact = not deterministic or self._verify_exact  # measured at load (_verify_rows_exact)
         if exact and self._step_cost is not None:  # alone with deterministic steps, a guess may take the padding row
             cut_drafts(evals, self._step_cost, self._n_ubatch,
-                       rows=2 if deterministic and len(evals) == 1 and self._free_row else 1, padded=deterministic)
+                       rows=2 if deterministic and len(evals) == 1 and self._free_row else 1, padded=deterministic,
+                       drain=not waiting)
         if not exact or (deterministic and self._step_cost is None and len(evals) > 1):
             # a verify step's rows would not compute as one-token steps; or no step cost to weigh guesses with
             # (speculation off: a lone sequence's guess in its padding row, which costs nothing), and beside
@@ -403,7 +407,10 @@ class Slots:
             placed.append((ev, take, n - 1))
         b.n_tokens = n
         self._batches += 1
+        _t0 = time.perf_counter()
         rc = llama_cpp.llama_decode(self.ctx.ctx, b)
+        if _TRACE:
+            _TRACE.write(f"{_t0:.6f} {time.perf_counter()-_t0:.6f} {[(seq, take) for seq, ev, take in sorted(rows, key=lambda r: r[0])]}\n")
         if rc != 0:
             raise RuntimeError(f"llama_decode failed ({rc}) for a batch of {n} tokens")
         for ev, take, last in placed:

@@ -349,7 +349,7 @@ class ModelOwner:
                 self._take_cores()
                 wall, cpu = time.perf_counter(), time.thread_time()
             try:
-                n = self.backend.evaluate([t.pending for t in pending])
+                n = self.backend.evaluate([t.pending for t in pending], waiting=self._waiting)
             except Exception as exc:
                 log.exception("batch evaluation failed")
                 for task in pending:
