@@ -11,14 +11,17 @@ The client keeps a ``CostModel`` up to date from what its own requests measured:
 - each path's fixed cost: what its end-to-end time to first token measured beyond those parts
   (HTTP round trips, JSON, queueing, the canary's token), per path;
 - characters per token of each model, since the client has no tokenizer;
-- queue depth: a prefill server with no free slot costs a wait of one of its recent prefills
-  per request ahead.
+- queue depth: each prompt ahead of this one costs a wait of one of that server's recent prompt
+  times: on the prefill server, every prompt of this client it is still evaluating (a batched server
+  evaluates prompts oldest first, so one already in a slot goes first all the same) and those its
+  ``/health`` says wait for a slot; on the decode server, this client's decode-only requests whose
+  prompt it is still evaluating.
 
 Estimated time to first token of a prompt of ``n`` tokens (the last prompt token and the first
 sampled one cost the same on both paths and are left out of both):
 
     handoff     = fixed(handoff) + wait(prefill) + n / prefill_speed + exposed
-    decode_only = fixed(decode_only) + n / decode_side_speed
+    decode_only = fixed(decode_only) + wait(decode) + n / decode_side_speed
 
 where ``exposed`` is what the KV's move adds after the prefill. Handed over whole (after the
 prefill, as an export, a transfer and an import), all of it:
@@ -167,6 +170,8 @@ class CostModel:
         took = dec.prefill_time or 0.0
         if tokens >= MIN_TOKENS_FOR_SPEED and took > 0:
             self._avg("local_speed", decode).add(tokens / took)
+        if took > 0:
+            self._avg("local_time", decode).add(took)
         if ttft is not None:
             parts = took + float(dec.first_token_time or 0.0)
             self._avg("fixed", LOCAL).add(max(0.0, ttft - parts))
@@ -195,9 +200,11 @@ class CostModel:
 
     def estimate(self, model: str, chars: int, prefill: str | None, decode: str,
                  prefill_queue: int = 0, reported: tuple = (None, None), streamed: bool = False,
-                 chunk_tokens: int | None = None) -> dict:
+                 chunk_tokens: int | None = None, decode_queue: int = 0) -> dict:
         """Estimated seconds to first token of each path for a prompt of ``chars`` characters; with
-        ``prefill_queue`` requests ahead of this one on the prefill server, and the prompt speeds the
+        ``prefill_queue`` prompts ahead of this one on the prefill server and ``decode_queue`` on the
+        decode server (each a recent prompt time of that server, this prompt's own until one is
+        measured), and the prompt speeds the
         two servers ``reported`` (their ``/health``) standing in for figures not measured yet.
         ``streamed``: the handoff would be the overlapped one (its last ``chunk_tokens``, as the prefill
         server's ``/health`` says, or as measured, are what it leaves exposed)."""
@@ -211,20 +218,24 @@ class CostModel:
             chunk = self._value("chunk_tokens", prefill) or chunk_tokens or PRIOR_CHUNK_TOKENS
             fixed_h = self._value("fixed", HANDOFF)
             fixed_l = self._value("fixed", LOCAL)
-            wait = prefill_queue * (self._value("prefill_time", prefill) or 0.0)
+            prefill_each = self._value("prefill_time", prefill)
+            local_each = self._value("local_time", decode)
         prefill_s = (n - 1) / p_speed
+        wait = prefill_queue * (prefill_s if prefill_each is None else prefill_each)
+        wait_local = decode_queue * ((n - 1) / d_speed if local_each is None else local_each)
         exposed = (_exposed(n - 1, bpt, prefill_s, link, copy, chunk) if streamed
                    else (n - 1) * bpt * (1 / link + 1 / copy))
         handoff = (PRIOR_FIXED[HANDOFF] if fixed_h is None else fixed_h) + wait + prefill_s + exposed
-        local = (PRIOR_FIXED[LOCAL] if fixed_l is None else fixed_l) + (n - 1) / d_speed
+        local = (PRIOR_FIXED[LOCAL] if fixed_l is None else fixed_l) + wait_local + (n - 1) / d_speed
         return {HANDOFF: round(handoff, 6), LOCAL: round(local, 6), "prompt_tokens": n, "basis": basis,
                 "prefill_speed": round(p_speed, 1), "decode_side_speed": round(d_speed, 1),
                 "kv_bytes_per_token": round(bpt), "link_bytes_per_s": round(link), "prefill_wait": round(wait, 6),
+                "decode_wait": round(wait_local, 6),
                 "handoff_mode": "streamed" if streamed else "whole", "kv_exposed": round(exposed, 6)}
 
     def decide(self, mode: str, model: str, chars: int, prefill: str | None, decode: str | None,
                prefill_queue: int = 0, reported: tuple = (None, None), streamed: bool = False,
-               chunk_tokens: int | None = None) -> Decision:
+               chunk_tokens: int | None = None, decode_queue: int = 0) -> Decision:
         """The path for one request under ``mode`` (``client.route``), with the reason (``streamed``: the
         handoff would be the overlapped one)."""
         if mode == HANDOFF or (mode == "auto" and decode is None):
@@ -234,7 +245,8 @@ class CostModel:
             return Decision(LOCAL, "forced: client.route is 'decode_only'", {})
         if prefill is None:
             return Decision(LOCAL, "no prefill server up", {})
-        est = self.estimate(model, chars, prefill, decode, prefill_queue, reported, streamed, chunk_tokens)
+        est = self.estimate(model, chars, prefill, decode, prefill_queue, reported, streamed, chunk_tokens,
+                            decode_queue)
         path = HANDOFF if est[HANDOFF] < est[LOCAL] else LOCAL
         reason = (f"estimated TTFT for ~{est['prompt_tokens']} prompt tokens: handoff ({est['handoff_mode']}) "
                   f"{est[HANDOFF] * 1000:.0f} ms, decode-only {est[LOCAL] * 1000:.0f} ms (speeds "

@@ -88,6 +88,43 @@ def test_a_queue_on_the_prefill_server_tips_the_choice():
     assert queued.path == LOCAL and queued.estimates["prefill_wait"] == pytest.approx(6.0)
 
 
+def test_prompts_ahead_on_the_decode_server_count_against_decode_only():
+    model = CostModel()
+    for _ in range(3):  # equal machines: the handoff's extra round trip does not pay
+        handoff(model, 2000, prefill_speed=1000)
+        local(model, 2000, speed=1000)
+    assert model.decide("auto", "m", 4 * 2000, "p", "d").path == LOCAL
+    busy = model.decide("auto", "m", 4 * 2000, "p", "d", decode_queue=2)  # two of ours evaluate there first
+    assert busy.path == HANDOFF and busy.estimates["decode_wait"] == pytest.approx(4.0)
+    both = model.decide("auto", "m", 4 * 2000, "p", "d", prefill_queue=3, decode_queue=2)
+    assert both.path == LOCAL and both.estimates["prefill_wait"] == pytest.approx(6.0)
+    fresh = CostModel().decide("auto", "m", 4 * 2000, "p", "d", prefill_queue=2)  # nothing measured:
+    assert fresh.estimates["prefill_wait"] == pytest.approx(2 * 1999 / fresh.estimates["prefill_speed"])  # its own
+
+
+def test_the_client_counts_every_prompt_it_has_on_a_server_as_ahead_in_a_slot_or_not():
+    """A batched prefill server evaluates prompts oldest first: one of ours in a slot is ahead all the
+    same (its streamed /prefill call has answered, so the call count says nothing)."""
+    cfg = cluster_config.coerce(cluster_config_dict())
+    with DisaggregatedClient(cfg, health_check=False) as client:
+        client.route = "auto"
+        prefill = next(s for s in client.servers.values() if s.entry.role == "prefill" and s.entry.model == "qwen")
+        decode = next(s for s in client.servers.values() if s.entry.role == "decode" and s.entry.model == "qwen")
+        prefill.health = {"slots": {"total": 4, "queued": 0}}
+        decode.health = {"slots": {"total": 4}}
+        assert client._route("qwen", {"prompt": LONG}, None).estimates["prefill_wait"] == 0
+        prefill.prompting = 3  # in its slots
+        ahead = client._route("qwen", {"prompt": LONG}, None).estimates
+        tokens = ahead["prompt_tokens"] - 1  # this prompt's own time stands in for each, nothing measured yet
+        assert ahead["prefill_wait"] == pytest.approx(3 * tokens / ahead["prefill_speed"], rel=1e-3)
+        prefill.prompting, prefill.health = 6, {"slots": {"total": 4, "queued": 3}}  # 2 of the 3 queued are ours
+        assert client._route("qwen", {"prompt": LONG}, None).estimates["prefill_wait"] == pytest.approx(
+            7 * tokens / ahead["prefill_speed"], rel=1e-3)
+        decode.prompting = 2
+        assert client._route("qwen", {"prompt": LONG}, None).estimates["decode_wait"] == pytest.approx(
+            2 * tokens / ahead["decode_side_speed"], rel=1e-3)
+
+
 def test_speeds_the_servers_report_stand_in_until_the_client_has_measured_its_own():
     model = CostModel()
     fast_prefill = model.decide("auto", "m", 4 * 2000, "p", "d", reported=(300.0, 300.0))
@@ -198,6 +235,7 @@ def test_forced_routes_work_in_generate_and_stream(tiny_cluster):
         assert m["method"] == "kv_handoff" and "forced" in m["route_reason"]
         *_, streamed = client.stream("qwen", FEW, max_tokens=2, route="handoff")
         assert streamed["method"] == "kv_handoff" and streamed["canary"] == "passed"
+        assert all(s.prompting == 0 for s in client.servers.values())  # every prompt counted out again
 
 
 # -- the overlapped handoff (issue 29): the router counts only what the stream leaves after the prefill --

@@ -190,9 +190,17 @@ class DisaggregatedClient(ServerPool, Transport, Handoff):
         started = time.perf_counter()
         model_key, source, decision = self._admit(request, route)
 
+        def open_local(server):
+            with self._lock:
+                server.prompting += 1
+            try:
+                return self._open_stream(server, "/generate", request.generate_body(stream=True), self.decode_timeout)
+            finally:
+                with self._lock:
+                    server.prompting -= 1
+
         def local(method: Method) -> Served:
-            decode_server, lines = self._on("decode", model_key, lambda s: self._open_stream(
-                s, "/generate", request.generate_body(stream=True), self.decode_timeout))
+            decode_server, lines = self._on("decode", model_key, open_local)
             return Served(decode_server, method, lines=lines)
 
         def handoff(exclude):
@@ -251,9 +259,11 @@ class DisaggregatedClient(ServerPool, Transport, Handoff):
             raise BadRequest(f"route must be one of {', '.join(routing.MODES)}, got {mode!r}", field="route")
         prefill, decode = self._peek("prefill", model_key), self._peek("decode", model_key)
         queue = 0
-        if prefill is not None:  # requests ahead on the prefill server: its own queue, and ours beyond its slots
-            queue = int((prefill.health.get("slots") or {}).get("queued") or 0)
-            queue += max(0, prefill.outstanding + 1 - prefill.slots)
+        if prefill is not None:  # prompts ahead on the prefill server: every one of ours it evaluates, in a slot
+            # or not (it evaluates them oldest first; a streamed prefill's call has answered at once), and the
+            # others its last /health saw waiting for a slot
+            waiting = int((prefill.health.get("slots") or {}).get("queued") or 0)
+            queue = prefill.prompting + max(0, waiting - max(0, prefill.prompting - prefill.slots))
         reported = tuple(s.health.get("prompt_speed") if s is not None else None for s in (prefill, decode))
         # the overlapped handoff, where this client asks for it and the prefill server streams this model
         streamed = self._streams(model_key) and prefill is not None and "streamed" in (
@@ -261,7 +271,8 @@ class DisaggregatedClient(ServerPool, Transport, Handoff):
         chunk = ((prefill.health.get("model_info") or {}).get("n_batch") if prefill is not None else None)
         return self.costs.decide(mode, model_key, routing.prompt_chars(source),
                                  prefill.entry.name if prefill else None, decode.entry.name if decode else None,
-                                 prefill_queue=queue, reported=reported, streamed=streamed, chunk_tokens=chunk)
+                                 prefill_queue=queue, reported=reported, streamed=streamed, chunk_tokens=chunk,
+                                 decode_queue=decode.prompting if decode is not None else 0)
 
     def _learn(self, model_key: str, source: dict, served: Served, metrics: RequestMetrics, clean: bool) -> None:
         """Feed what this request measured to the cost model (``clean``: no retry or fallback inflated its times)."""

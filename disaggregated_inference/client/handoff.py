@@ -160,8 +160,34 @@ class Handoff:
         wanted = self._kv_kind(model_key)
         if self._streams(model_key):
             wanted["handoff_mode"] = "streamed"  # the prefill server answers at once where the model allows it
-        prefill_server, prefilled = self._on("prefill", model_key, lambda s: PrefillAnswer.read(self._post(
-            s, "/prefill", request.prefill_body(**wanted), self.prefill_timeout)), exclude)
+        evaluating = []  # the prefill server while it evaluates this prompt (``TrackedServer.prompting``)
+
+        def done_evaluating():
+            with self._lock:
+                while evaluating:
+                    evaluating.pop().prompting -= 1
+
+        def prefill_on(server: TrackedServer):
+            with self._lock:
+                server.prompting += 1
+            evaluating.append(server)
+            try:
+                answer = PrefillAnswer.read(self._post(server, "/prefill", request.prefill_body(**wanted),
+                                                       self.prefill_timeout))
+            except BaseException:
+                done_evaluating()
+                raise
+            if answer.handoff_mode != "streamed":  # answered once the prompt was evaluated
+                done_evaluating()
+            return answer
+
+        try:
+            return self._handoff_from(model_key, request, decode, prefill_on, exclude)
+        finally:  # streamed: the prompt is evaluated by the time the decode server has the KV (or gave up)
+            done_evaluating()
+
+    def _handoff_from(self, model_key: str, request: GenerationRequest, decode, prefill_on, exclude) -> tuple:
+        prefill_server, prefilled = self._on("prefill", model_key, prefill_on, exclude)
         unreachable = []
 
         def decode_on(server: TrackedServer):

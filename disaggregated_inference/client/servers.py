@@ -34,6 +34,7 @@ class TrackedServer:
     last_checked: float | None = None
     latency_s: float | None = None
     outstanding: int = 0
+    prompting: int = 0  # this client's prompts it is evaluating: a prefill, or a decode-only request not yet answering
     served: int = 0
     health: dict = field(default_factory=dict)
     revive_at: float = 0.0  # monotonic: when a server marked down is probed again
