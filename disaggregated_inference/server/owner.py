@@ -40,7 +40,6 @@ from collections import deque
 from typing import Callable, Iterator
 
 from ..errors import BackendUnavailable, Overloaded
-from .resources import cpu_mark, others_busy
 
 log = logging.getLogger(__name__)
 _STOP = object()
@@ -49,10 +48,6 @@ PARKED_POLL_SECONDS = 1.0  # a parked request's ready() is checked at least this
 # idle this long (and the other servers on its cores too), the backend measures again (BatchedBackend.calibrate):
 # once after each of these, counted from the last request or measurement
 CALIBRATE_AFTER_IDLE = (2.0, 15.0, 120.0)
-# ... and the machine too: while other processes used more than this share of its CPU time over that wait, the
-# measurement would time their work into its steps, and take cores from them (docs/ARCHITECTURE.md, "Which
-# drafts pay": llama-server's first round in benchmarks/peer.py)
-CALIBRATE_MAX_OTHERS_BUSY = 0.1
 
 
 def _is_eval(item) -> bool:
@@ -318,14 +313,12 @@ class ModelOwner:
             stepping = any(_is_eval(t.pending) for t in active)
             if not stepping and self.cores is not None:  # nothing to compute (parked requests wait on the network)
                 self.cores.idle()
-            waited_from = cpu_mark() if not active and calibrate_after is not None else None
             try:  # wait for work only when there is nothing to step (parked requests are looked at now and then)
                 job = self._jobs.get(block=not stepping, timeout=PARKED_POLL_SECONDS if active
                                      else calibrate_after)
             except queue.Empty:
                 job = None
-                if (waited_from is not None and (self.cores is None or not self.cores.busy_peers())
-                        and others_busy(waited_from) <= CALIBRATE_MAX_OTHERS_BUSY):
+                if not active and calibrate_after is not None and (self.cores is None or not self.cores.busy_peers()):
                     more = self._calibrate()
                     calibrate_after = next(calibrations, None) if more else None
                     if calibrate_after is not None:  # the servers of a machine load together: not in step

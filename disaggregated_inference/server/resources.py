@@ -9,31 +9,12 @@ from __future__ import annotations
 import os
 import platform
 import threading
-import time
 
 import psutil
 
 _process = psutil.Process(os.getpid())
 _nvml_lock = threading.Lock()
 _nvml = None  # None: not tried, False: unavailable, else the module
-
-
-def cpu_mark() -> tuple[float, float, float]:
-    """Now: (monotonic seconds, the machine's busy CPU seconds, this process's CPU seconds), for ``others_busy``."""
-    t = psutil.cpu_times()
-    busy = sum(getattr(t, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq", "steal"))
-    own = _process.cpu_times()
-    return time.monotonic(), busy, own.user + own.system
-
-
-def others_busy(mark: tuple[float, float, float]) -> float:
-    """The share of the machine's CPU time that other processes used since ``mark`` (``cpu_mark``): 0.5 on
-    two cores is one core kept busy."""
-    wall, busy, own = cpu_mark()
-    spent = wall - mark[0]
-    if spent <= 0:
-        return 0.0
-    return max(0.0, (busy - mark[1]) - (own - mark[2])) / (spent * (psutil.cpu_count() or 1))
 
 
 def _nvml_module():
