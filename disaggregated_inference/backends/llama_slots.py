@@ -17,8 +17,6 @@ llama.cpp's server does with ``cache_prompt``. See ``_acquire``.
 """
 from __future__ import annotations
 
-import os as _os
-_TRACE = open(_os.environ['DISAGG_STEP_TRACE'] + str(_os.getpid()), 'w', buffering=1) if _os.environ.get('DISAGG_STEP_TRACE') else None
 import contextlib
 import logging
 import os
@@ -407,10 +405,7 @@ class Slots:
             placed.append((ev, take, n - 1))
         b.n_tokens = n
         self._batches += 1
-        _t0 = time.perf_counter()
         rc = llama_cpp.llama_decode(self.ctx.ctx, b)
-        if _TRACE:
-            _TRACE.write(f"{_t0:.6f} {time.perf_counter()-_t0:.6f} {[(seq, take) for seq, ev, take in sorted(rows, key=lambda r: r[0])]}\n")
         if rc != 0:
             raise RuntimeError(f"llama_decode failed ({rc}) for a batch of {n} tokens")
         for ev, take, last in placed:
