@@ -1,6 +1,6 @@
 """Against llama.cpp's own server: the decode server and the gateway side by side with ``llama-server``.
 
-    .venv/bin/python benchmarks/peer.py --json           # ~15-18 minutes on 2 cores (+ ~10 the first time: build)
+    .venv/bin/python benchmarks/peer.py --json           # ~47 minutes on 2 cores (+ ~10 the first time: build)
     .venv/bin/python benchmarks/peer.py --quick --json   # ~10 s: tiny model; the peer only if already built
 
 ``--quick`` is CI's smoke test: the generated tiny model (tests/tiny_models.py) under both model
@@ -37,10 +37,16 @@ llama-server's) serves any of them. An endpoint that has not finished a cell aft
 ``--max-cell-seconds`` (one that collapsed: two llama-servers side by side on two cores do) is cut
 there: its streams are closed, their pieces counted, the row marked ``incomplete``.
 
+Before the first round, after one warm-up request per endpoint and model, the run waits until every
+decode server that speculates reports what a step costs it (``/health`` → ``model_info.speculation``):
+until then it drafts nothing and measures again whenever it is idle, so a round begun earlier would
+time one side beside that measurement and ours without drafts.
+
 JSON: ``rows`` (``endpoint``, ``workload``, ``concurrency``, ``busy_models``, ``round``,
 ``gen_tok_s`` = completion tokens of the cell over ``wall_s``, requests, tokens, failures, the
-endpoint's processes' CPU milliseconds per token, and per model the mean and the slowest request's
-seconds),
+endpoint's processes' CPU milliseconds per token, ``draft_tokens`` and ``accepted_tokens``: the
+guesses our decode servers verified and kept during the cell, from their ``/metrics``; null for the
+peer; and per model the mean and the slowest request's seconds),
 ``cells`` (medians over rounds and each cell's ``speed_vs_peer``: the median of the rounds' own
 ratios of ``gen_tok_s`` to llama-server's; ``spread``: the lowest, highest and interquartile range
 over the rounds of ``gen_tok_s``, ``cpu_ms_per_token`` and the ratio; one-model cells run 4 rounds
@@ -48,7 +54,8 @@ by default, issue 44), and ``targets`` (issue 36: the decode server >= 0.9x
 of llama-server in the four one-model cells; both models busy, decode-bound 8 at once, >= 109 tok/s
 combined and >= 0.9x of two llama-servers); ``servers``: each of our servers' wait policy and,
 from its /health at the end, its core share (``contended_holds``: how often other programs' load
-held it to one thread).
+held it to one thread) and its speculation (proposer, step cost, how often it measured);
+``speculation_before_round_1``: the same, as the first round began.
 """
 from __future__ import annotations
 
@@ -76,6 +83,7 @@ sys.path.insert(0, str(ROOT))
 
 import quick  # noqa: E402  (benchmarks/quick.py: the shared --quick; peer.py keeps the servers' own OpenMP policy)
 from disaggregated_inference.backends.gguf import resolve_gguf  # noqa: E402
+from disaggregated_inference.observe.scrape import parse_metrics, total  # noqa: E402
 from disaggregated_inference.ops.cluster import LocalCluster  # noqa: E402
 from disaggregated_inference.ops.lifetime import guarded  # noqa: E402
 
@@ -213,6 +221,7 @@ class Endpoint:
     ask: Callable
     urls: dict  # model name -> base URL
     pids: list  # the processes that serve it (their CPU time is the endpoint's)
+    drafts_from: list = ()  # our decode servers' URLs: their speculation counters, read around each cell
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -229,6 +238,44 @@ def cpu_seconds(pids: list[int]) -> float:
         except psutil.Error:
             pass
     return total
+
+
+def draft_counts(urls) -> tuple[float, float]:
+    """Guessed and accepted tokens our decode servers ``urls`` have verified so far (``/metrics``)."""
+    drafted = accepted = 0.0
+    for url in urls:
+        scrape = parse_metrics(requests.get(f"{url}/metrics", timeout=10).text)
+        drafted += total(scrape, "disagg_draft_tokens_total")
+        accepted += total(scrape, "disagg_accepted_tokens_total")
+    return drafted, accepted
+
+
+SPECULATION_KEYS = ("proposer", "step_cost_s", "step_cost_measures")  # of /health's, the ones a run records
+
+
+def speculation_of(url: str) -> dict:
+    """A decode server's speculation as its ``/health`` reports it: proposer, step cost (None: not yet)."""
+    health = requests.get(f"{url}/health", timeout=10).json()
+    return (health.get("model_info") or {}).get("speculation") or {}
+
+
+def wait_for_step_costs(urls, timeout: float = 600.0) -> dict:
+    """Wait until every decode server that speculates reports what a step costs it. Until then it drafts
+    nothing, and it measures again whenever it is idle (``BatchedBackend.calibrate``): a round that starts
+    before would run one side beside our measurement and the other without drafts. ``{url: speculation}``
+    as reported last; a server still without a step cost after ``timeout`` is said, not waited for."""
+    deadline, said = time.monotonic() + timeout, 0.0
+    while True:
+        state = {url: speculation_of(url) for url in urls}
+        missing = [u for u, spec in state.items() if spec.get("proposer", "off") != "off" and not spec.get("step_cost_s")]
+        if not missing or time.monotonic() > deadline:
+            if missing:
+                say(f"no step cost after {timeout:g} s from {missing}: these servers draft nothing until they have one")
+            return state
+        if time.monotonic() - said > 30:
+            say(f"waiting for the step cost of {len(missing)} decode server(s) (measured while idle)")
+            said = time.monotonic()
+        time.sleep(1.0)
 
 
 # -- a cell: one workload on one endpoint, c at once, one or both models -------------------------------
@@ -262,6 +309,7 @@ def run_cell(endpoint: Endpoint, workload: Workload, concurrency: int, models: l
                                    f"{type(exc).__name__}: {exc}"[:300]))
 
     pools = {m: ThreadPoolExecutor(concurrency) for m in models}
+    drafts_before = draft_counts(endpoint.drafts_from)
     cpu_before = cpu_seconds(endpoint.pids)
     started = time.perf_counter()
     futures = [pools[m].submit(one, m, i) for i in range(per_model) for m in models]
@@ -269,6 +317,7 @@ def run_cell(endpoint: Endpoint, workload: Workload, concurrency: int, models: l
         f.result()
     wall = time.perf_counter() - started
     cpu = cpu_seconds(endpoint.pids) - cpu_before
+    drafted, accepted = (after - before for after, before in zip(draft_counts(endpoint.drafts_from), drafts_before))
     for pool in pools.values():
         pool.shutdown()
     done = [r for rs in results.values() for r in rs]
@@ -282,6 +331,9 @@ def run_cell(endpoint: Endpoint, workload: Workload, concurrency: int, models: l
            "completion_tokens": tokens, "prompt_tokens": sum(r[0].prompt_tokens for r in done),
            # the endpoint's processes' CPU time (spinning threads included) per completion token
            "server_cpu_s": round(cpu, 2), "cpu_ms_per_token": round(cpu / tokens * 1000, 3) if tokens else None,
+           # speculation in our decode servers during the cell (None for the peer): guesses verified, kept
+           "draft_tokens": int(drafted) if endpoint.drafts_from else None,
+           "accepted_tokens": int(accepted) if endpoint.drafts_from else None,
            "per_model": {m: {"requests": len(rs), "completion_tokens": sum(r[0].completion_tokens for r in rs),
                              "mean_prompt_tokens": round(statistics.mean(r[0].prompt_tokens for r in whole[m]), 1)
                              if whole[m] else None,
@@ -426,6 +478,8 @@ def summarise(rows: list[dict]) -> list[dict]:
                           "gen_tok_s": _median(r["gen_tok_s"] for r in runs),
                           "wall_s": _median(r["wall_s"] for r in runs),
                           "cpu_ms_per_token": _median(r["cpu_ms_per_token"] for r in runs),
+                          "draft_tokens": _median(r.get("draft_tokens") for r in runs),
+                          "accepted_tokens": _median(r.get("accepted_tokens") for r in runs),
                           "speed_vs_peer": _median(ratios) if endpoint != PEER else None,
                           "spread": {"gen_tok_s": _spread(r["gen_tok_s"] for r in runs),
                                      "cpu_ms_per_token": _spread(r["cpu_ms_per_token"] for r in runs),
@@ -526,6 +580,7 @@ def main(argv=None) -> int:
     peers: list[PeerServer] = []
     rows: list[dict] = []
     policy: dict = {}
+    before_rounds: dict = {}
     say(f"starting the embedded cluster (4 servers and the gateway; logs in {log_dir})")
     with LocalCluster(data, free_ports=True, gateway=True, log_dir=log_dir, env=server_env) as cluster:
         try:
@@ -542,10 +597,12 @@ def main(argv=None) -> int:
             for peer in peers:
                 peer.wait_ready()
             decode = {p.entry.model: p.url for p in cluster.processes if p.entry.role == "decode"}
+            decode_names = {p.entry.name: p.url for p in cluster.processes if p.entry.role == "decode"}
             decode_pids = [p.proc.pid for p in cluster.processes if p.entry.role == "decode"]
             everything = [cluster.gateway.proc.pid, *(p.proc.pid for p in cluster.processes)]
-            endpoints = [Endpoint("decode-server", ask_decode_server, decode, decode_pids),
-                         Endpoint("gateway", ask_gateway, {m: cluster.gateway.url for m in model_names}, everything)]
+            endpoints = [Endpoint("decode-server", ask_decode_server, decode, decode_pids, list(decode.values())),
+                         Endpoint("gateway", ask_gateway, {m: cluster.gateway.url for m in model_names}, everything,
+                                  list(decode.values()))]
             if peers:
                 endpoints.insert(0, Endpoint(PEER, ask_llama_server, {m: p.url for m, p in zip(model_names, peers)},
                                              [p.proc.pid for p in peers]))
@@ -556,6 +613,9 @@ def main(argv=None) -> int:
             warm = Workload("warm-up", len(model_names), 4)
             for endpoint in endpoints:
                 run_cell(endpoint, warm, 1, model_names, nonce=9999)
+            speculation = wait_for_step_costs(decode.values(), timeout=60 if args.quick else 600)
+            before_rounds = {name: {k: speculation[url].get(k) for k in SPECULATION_KEYS}
+                             for name, url in decode_names.items()}
             nonce = 0
             for workload in workloads:
                 for r in range(max(rounds, both_rounds) if workload.name == "decode-bound" else prompt_rounds):
@@ -576,6 +636,9 @@ def main(argv=None) -> int:
             for p in cluster.processes:  # whether any server computed with one thread for other programs' load
                 health = requests.get(f"{p.url}/health", timeout=10).json()
                 policy[p.entry.name]["core_share"] = health.get("core_share")
+                if p.entry.role == "decode":  # speculation: the step cost it drafted by, at the end
+                    spec = (health.get("model_info") or {}).get("speculation") or {}
+                    policy[p.entry.name]["speculation"] = {k: spec.get(k) for k in SPECULATION_KEYS}
         finally:
             for peer in peers:
                 peer.stop()
@@ -590,6 +653,7 @@ def main(argv=None) -> int:
         "models": {m: Path(data["models"][m]["model"]).name for m in model_names},
         "peer": {"binary": binary, "skipped": skipped, "command": peers[0].command[1:] if peers else None},
         "servers": policy,
+        "speculation_before_round_1": before_rounds,  # each decode server's, once it reported a step cost
         "workloads": [w.__dict__ for w in workloads],
         "rows": rows,
         "cells": cells,
