@@ -320,6 +320,10 @@ def test_peer(monkeypatch):
         assert quotient(r["gen_tok_s"], r["completion_tokens"], r["wall_s"], 3, 2)
         for m in r["per_model"].values():  # the slowest request, beside the mean, within the cell's wall time
             assert 0 < m["mean_latency_s"] <= m["max_latency_s"] <= r["wall_s"]
+        if r["endpoint"] in ours:  # our decode servers' guesses during the cell, read from their /metrics
+            assert 0 <= r["accepted_tokens"] <= r["draft_tokens"]
+        else:
+            assert r["draft_tokens"] is None and r["accepted_tokens"] is None
     for c in cells:
         same = [r for r in rows if all(r[k] == c[k] for k in ("workload", "concurrency", "busy_models", "endpoint"))]
         assert c["rounds"] == len(same) == 1 and c["gen_tok_s"] == same[0]["gen_tok_s"]
@@ -332,6 +336,11 @@ def test_peer(monkeypatch):
         else:
             assert c["speed_vs_peer"] is None
     assert set(out["servers"]) == {f"local-{role}-{m}" for role in ("prefill", "decode") for m in ("qwen", "gpt-oss")}
+    decode = {f"local-decode-{m}" for m in ("qwen", "gpt-oss")}
+    assert set(out["speculation_before_round_1"]) == decode  # the first round began once each had a step cost
+    for name, spec in out["speculation_before_round_1"].items():
+        assert spec["proposer"] == "off" or (spec["step_cost_s"]["per_token"] > 0 and spec["step_cost_measures"] >= 1)
+        assert out["servers"][name]["speculation"]["proposer"] == spec["proposer"]
     for endpoint, bar in (("decode-server", 1.0), ("gateway", 0.95)):  # issue 44's bars, from the cells
         target = peer_module.targets(cells, 2)["issue_44"][endpoint]
         ratios = [c["speed_vs_peer"] for c in cells if c["endpoint"] == endpoint and c["busy_models"] == 1]

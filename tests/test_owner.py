@@ -355,6 +355,25 @@ def test_an_idle_owner_calibrates_its_backend_until_it_wants_no_more(monkeypatch
         owner.close()
 
 
+def test_an_idle_owner_goes_on_asking_after_its_schedule_while_the_backend_wants_more(monkeypatch):
+    """A decode server whose measurements all ran beside other programs' work (a benchmark's llama-servers
+    warming up) has no step cost and drafts nothing: the owner asks again after the schedule's last delay
+    for as long as the backend wants, not only as many times as the schedule has delays."""
+    from disaggregated_inference.server import owner as owner_module
+
+    monkeypatch.setattr(owner_module, "CALIBRATE_AFTER_IDLE", (0.05,))
+    backend = CalibratingFake(wants=3)
+    owner = ready_owner(backend)
+    try:
+        deadline = time.time() + 10
+        while len(backend.calibrations) < 3 and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(1.2)  # one more delay of up to 1.05 s (jittered): the backend said no more after its third
+        assert [name for name, _ in backend.calibrations] == ["model-owner"] * 3
+    finally:
+        owner.close()
+
+
 def test_a_request_that_comes_during_a_calibration_stops_it(monkeypatch):
     from disaggregated_inference.server import owner as owner_module
 

@@ -569,6 +569,15 @@ def test_steps_the_thread_spent_off_a_cpu_never_make_the_step_cost_and_no_reques
         b._step_cost, b._step_cost_retry_at = cost, 0.0
         assert b._proposer(asks) is not None
         assert b.calibrate() is False  # measured on free cores: nothing to measure again
+        monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # partners that sleep: a step's time may include waits
+        b._step_measures, measures = 1, []  # as if measured once, at load
+        while b.calibrate():  # measured again, keeping the lowest medians, up to MEASURES_OFF_CPU in all
+            measures.append(b._step_measures)
+            assert len(measures) < llama_slots.MEASURES_OFF_CPU
+        assert measures == list(range(2, llama_slots.MEASURES_OFF_CPU))
+        assert b._step_measures == llama_slots.MEASURES_OFF_CPU and b._step_cost is not None
+        assert b.calibrate() is False
+        monkeypatch.delenv("OMP_WAIT_POLICY")
         taken = [b._acquire()[0] for _ in range(len(b._free))]  # every slot busy: no slot to measure in
         try:
             assert b._measure_step_cost() is None

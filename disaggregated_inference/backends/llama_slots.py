@@ -45,6 +45,9 @@ SHARED_PIECE = 128
 # A step cost measurement counts a step only if the thread that ran it was on a CPU ``tuning.STEP_ON_CPU`` of its
 # time, for this long at most (``Slots._measure_step_cost``)
 MEASURE_SECONDS = 2.0
+# where a step's time cannot be told from a wait (layers on a GPU, partners that sleep), the step cost is measured
+# this often in all (at load, then while idle), each keeping the lowest medians so far; on a CPU, until one is found
+MEASURES_OFF_CPU = 4
 
 log = logging.getLogger(__name__)
 
@@ -532,7 +535,8 @@ class Slots:
         """Measure the step cost again (``_measure_step_cost``; ``BatchedBackend.calibrate``): the owner asks while
         the server and the other servers on its cores are idle, since the measurement at load may have run beside
         other servers' loads: where it found no step cost yet, or where it cannot tell such steps
-        (``_steps_on_cpu``). False where nothing is left to measure."""
+        (``_steps_on_cpu``). True while it wants to be asked again: until it has a step cost (without one,
+        nothing is drafted), and where it cannot tell such steps, until ``MEASURES_OFF_CPU`` measurements."""
         wanted = self.settings.speculation != "off" or self._step_medians
         if not wanted or (self._step_cost is not None and self._steps_on_cpu):
             return False
@@ -541,7 +545,7 @@ class Slots:
             if cost != self._step_cost:
                 log.info("speculation: a step costs %s (measured again while idle; was %s)", cost, self._step_cost)
             self._step_cost = cost
-        return True
+        return self._step_cost is None or (not self._steps_on_cpu and self._step_measures < MEASURES_OFF_CPU)
 
 
 def _piece_of(take: int, start: int, piece: int) -> int:

@@ -191,13 +191,8 @@ class DisaggregatedClient(ServerPool, Transport, Handoff):
         model_key, source, decision = self._admit(request, route)
 
         def open_local(server):
-            with self._lock:
-                server.prompting += 1
-            try:
+            with self._counted(server, "prompting"):
                 return self._open_stream(server, "/generate", request.generate_body(stream=True), self.decode_timeout)
-            finally:
-                with self._lock:
-                    server.prompting -= 1
 
         def local(method: Method) -> Served:
             decode_server, lines = self._on("decode", model_key, open_local)
@@ -213,33 +208,30 @@ class DisaggregatedClient(ServerPool, Transport, Handoff):
         moved = resume.Continuation(served, lambda: self._serve_by_route(model_key, decision, handoff, local),
                                     lambda: self._candidates("decode", model_key), self._mark_failure)
         decode_server = served.decode_server
-        with self._lock:  # busy for the whole stream, so that least-loaded routing sees it
-            decode_server.outstanding += 1
         try:
-            if on_route is not None:
-                on_route({"method": served.method.value, "prefill_server": served.prefill_server.entry.address
-                          if served.prefill_server else None, "decode_server": decode_server.entry.address,
-                          "kv_bytes": (served.prefill.kv.bytes or 0) if served.prefill else 0,
-                          "warnings": list(notes)})
-            pieces, final = _Pieces(), None
-            try:
-                for line in moved.lines(lines):  # an error line raises in _ndjson_lines; resume hook
-                    if isinstance(line, Final):
-                        final = line
-                        break
-                    kind, value = pieces.add(line)
-                    if kind == chat.CONTENT:
-                        yield value
-                    elif parts:
-                        yield chat.Part(kind, value)
-            except UpstreamTimeout as exc:
-                if exc.details.get("stalled"):  # it went silent mid-stream: out of service until it answers
-                    self._mark_failure(moved.served.decode_server, exc.message, hard=True)
-                raise
+            with self._counted(decode_server, "outstanding"):  # for the whole stream: least-loaded routing sees it
+                if on_route is not None:
+                    on_route({"method": served.method.value, "prefill_server": served.prefill_server.entry.address
+                              if served.prefill_server else None, "decode_server": decode_server.entry.address,
+                              "kv_bytes": (served.prefill.kv.bytes or 0) if served.prefill else 0,
+                              "warnings": list(notes)})
+                pieces, final = _Pieces(), None
+                try:
+                    for line in moved.lines(lines):  # an error line raises in _ndjson_lines; resume hook
+                        if isinstance(line, Final):
+                            final = line
+                            break
+                        kind, value = pieces.add(line)
+                        if kind == chat.CONTENT:
+                            yield value
+                        elif parts:
+                            yield chat.Part(kind, value)
+                except UpstreamTimeout as exc:
+                    if exc.details.get("stalled"):  # it went silent mid-stream: out of service until it answers
+                        self._mark_failure(moved.served.decode_server, exc.message, hard=True)
+                    raise
         finally:
             lines.close()
-            with self._lock:
-                decode_server.outstanding -= 1
         if final is None:
             raise UpstreamError(f"{decode_server.entry.name} ended its stream without a final line")
         served = moved.served  # resume hook: the servers that finished the answer

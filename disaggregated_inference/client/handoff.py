@@ -77,34 +77,30 @@ class Handoff:
         for server in self._candidates(role, model_key, wait=role == "decode"):  # no fallback after decode
             if server.entry.name in exclude:
                 continue
-            with self._lock:
-                server.outstanding += 1
-            try:
-                result = call(server)
-                with self._lock:
-                    server.served += 1
-                self._mark_ok(server)
-                return server, result
-            except _Attempt as attempt:
-                tried.append(f"{server.entry.name}: {attempt.error.message}")
-                if not attempt.retryable:
-                    raise attempt.error from None
-            except DisaggError as exc:
-                tried.append(f"{server.entry.name}: {exc.message}")
-                codes.append(exc.code)
-                if 400 <= exc.status < 500 and exc.status not in (404, 408, 409, 429):
-                    raise  # the request is at fault, not the server
-                if exc.code == "overloaded" and not exc.details.get("transport"):
-                    busy.append(min(5.0, float(exc.details.get("retry_after") or 1.0)))
-                    continue  # busy, not dead: try the next server and keep this one up
-                if exc.details.get("deadline"):  # the caller's time ran out while the server worked: no blame
-                    if role == "decode":
-                        raise
-                    continue
-                self._mark_failure(server, exc.message, hard=exc.code in ("upstream_error", "upstream_timeout"))
-            finally:
-                with self._lock:
-                    server.outstanding -= 1
+            with self._counted(server, "outstanding"):
+                try:
+                    result = call(server)
+                    with self._lock:
+                        server.served += 1
+                    self._mark_ok(server)
+                    return server, result
+                except _Attempt as attempt:
+                    tried.append(f"{server.entry.name}: {attempt.error.message}")
+                    if not attempt.retryable:
+                        raise attempt.error from None
+                except DisaggError as exc:
+                    tried.append(f"{server.entry.name}: {exc.message}")
+                    codes.append(exc.code)
+                    if 400 <= exc.status < 500 and exc.status not in (404, 408, 409, 429):
+                        raise  # the request is at fault, not the server
+                    if exc.code == "overloaded" and not exc.details.get("transport"):
+                        busy.append(min(5.0, float(exc.details.get("retry_after") or 1.0)))
+                        continue  # busy, not dead: try the next server and keep this one up
+                    if exc.details.get("deadline"):  # the caller's time ran out while the server worked: no blame
+                        if role == "decode":
+                            raise
+                        continue
+                    self._mark_failure(server, exc.message, hard=exc.code in ("upstream_error", "upstream_timeout"))
         raise NoServerAvailable(f"no {role} server for model {model_key!r} could serve the request"
                                 + (f" (tried: {'; '.join(tried)})" if tried else " (none healthy)"),
                                 tried=tried, timed_out=bool(codes) and all(c == "upstream_timeout" for c in codes))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import requests
@@ -95,6 +96,18 @@ class ServerPool:
             modes = [s.health.get("handoff_modes") for s in self.servers.values()
                      if s.entry.role == "decode" and s.entry.model == model_key and s.up and s.health]
         return all(m is not None and "streamed" in m for m in modes)
+
+    @contextmanager
+    def _counted(self, server: TrackedServer, count: str):
+        """One more of this client's requests in ``server``'s ``count`` (``outstanding`` or ``prompting``) for the
+        body, counted under the client's lock, whatever way the body ends."""
+        with self._lock:
+            setattr(server, count, getattr(server, count) + 1)
+        try:
+            yield server
+        finally:
+            with self._lock:
+                setattr(server, count, getattr(server, count) - 1)
 
     def _candidates(self, role: str, model_key: str, wait: bool = False) -> list[TrackedServer]:
         """The servers of a role to try, in order. Servers marked down are probed again as their time comes

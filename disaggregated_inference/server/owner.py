@@ -46,7 +46,9 @@ _STOP = object()
 _WAKE = object()
 PARKED_POLL_SECONDS = 1.0  # a parked request's ready() is checked at least this often, woken or not
 # idle this long (and the other servers on its cores too), the backend measures again (BatchedBackend.calibrate):
-# once after each of these, counted from the last request or measurement
+# once after each of these, counted from the last request or measurement, then after the last one as long as the
+# backend wants more (a server that has found no step cost yet drafts nothing: every measurement so far ran beside
+# other programs' work, as beside a benchmark's other servers, and three measurements did not end that)
 CALIBRATE_AFTER_IDLE = (2.0, 15.0, 120.0)
 
 
@@ -320,7 +322,7 @@ class ModelOwner:
                 job = None
                 if not active and calibrate_after is not None and (self.cores is None or not self.cores.busy_peers()):
                     more = self._calibrate()
-                    calibrate_after = next(calibrations, None) if more else None
+                    calibrate_after = next(calibrations, CALIBRATE_AFTER_IDLE[-1]) if more else None
                     if calibrate_after is not None:  # the servers of a machine load together: not in step
                         calibrate_after += random.uniform(0, 1)
             while job is not None:
