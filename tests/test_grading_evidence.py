@@ -1,8 +1,11 @@
 """Layer 2: what the example notebooks demonstrably contain, and the rubric's checks on it."""
+import sys
+import threading
 from pathlib import Path
 
 import nbformat
 
+from disaggregated_inference.grading import evidence
 from disaggregated_inference.grading.evidence import check_criterion, check_rubric, collect_evidence
 from disaggregated_inference.grading.notebook import load_submission
 from disaggregated_inference.grading.rubric import load_rubric, rubric_from_dict
@@ -31,6 +34,48 @@ def test_good_notebook():
     assert not ev.syntax_errors and not ev.error_outputs and not ev.unexecuted_cells and not ev.out_of_order
     checks = check_rubric(load_rubric(EXAMPLES / "rubric.yaml"), ev)
     assert all(c.passed for items in checks.values() for c in items), checks
+
+
+class _Finalized:
+    """An object in a reference cycle whose finalizer runs Python code: the garbage collector runs it in whatever
+    thread allocates when a collection comes, in the middle of an ``ast.parse`` too."""
+
+    def __init__(self):
+        self.me = self
+
+    def __del__(self):
+        sum(range(50))
+
+
+def test_evidence_is_collected_on_several_threads_at_once():
+    """The grader collects evidence on ``--jobs`` threads. A garbage collection inside one thread's
+    ``ast.parse`` let another move CPython's shared AST depth count, and a notebook came out invalid
+    ("SystemError: AST constructor recursion depth mismatch", CI, 2026-11-28); parses now take turns."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # a thread switch at nearly every chance
+    nb = load_submission(EXAMPLES / "notebooks" / "good_sales_analysis.ipynb").notebook
+    code = "\n".join(f"x{i} = [{{'a': (i, [j for j in range({i})])}} for i in range(3)]" for i in range(40))
+    errors, results = [], []
+
+    def work():
+        for _ in range(100):
+            garbage = [_Finalized() for _ in range(50)]
+            del garbage
+            try:
+                evidence.parse_python(code)
+                results.append(collect_evidence(nb).code_cells)
+            except SystemError as exc:
+                errors.append(str(exc))
+
+    try:
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == [] and results == [4] * 400
 
 
 def test_notebook_with_errors():

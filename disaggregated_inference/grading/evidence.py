@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import re
+import threading
 from dataclasses import asdict, dataclass, field
 
 from .rubric import Criterion
@@ -25,6 +26,11 @@ _MAGIC_LINE = re.compile(r"^(\s*)[%!]")
 _TIMED_LINE = re.compile(r"^(\s*)%(?:time|timeit|prun)\b(?:\s+-\S+(?:\s+\d+)?)*\s+(.*)$")
 _CALL_RE = re.compile(r"\b([A-Za-z_][\w.]*)\s*\(")
 _IMPORT_RE = re.compile(r"^\s*(?:import\s+([\w.]+)|from\s+([\w.]+)\s+import)", re.M)
+# CPython keeps the depth of the Python objects ``ast.parse`` builds in interpreter-wide state: a thread
+# switch in the middle (a garbage collection running a finalizer) lets another thread's parse move it,
+# and one of them fails with "SystemError: AST constructor recursion depth mismatch" (gh-106905). The
+# grader collects evidence on several threads (--jobs): a notebook then came out invalid. One parse at a time.
+_PARSING = threading.Lock()
 
 
 @dataclass
@@ -145,6 +151,12 @@ def _walk(tree) -> list:
     return [(node, _dotted(node.func) if isinstance(node, ast.Call) else None) for node in ast.walk(tree)]
 
 
+def parse_python(source: str) -> ast.AST:
+    """``ast.parse(source)``, one thread at a time (``_PARSING``)."""
+    with _PARSING:
+        return ast.parse(source)
+
+
 def collect_evidence(notebook) -> Evidence:
     ev = Evidence()
     imports, calls, defined, constructs = set(), [], set(), set()
@@ -179,7 +191,7 @@ def collect_evidence(notebook) -> Evidence:
             continue
         cell_calls: list[str] = []
         try:
-            tree = ast.parse(python)
+            tree = parse_python(python)
             walked = _walk(tree)
         except SyntaxError as exc:
             tree = None
