@@ -337,9 +337,10 @@ def test_peer(monkeypatch):
             assert c["speed_vs_peer"] is None
     assert set(out["servers"]) == {f"local-{role}-{m}" for role in ("prefill", "decode") for m in ("qwen", "gpt-oss")}
     decode = {f"local-decode-{m}" for m in ("qwen", "gpt-oss")}
-    assert set(out["speculation_before_round_1"]) == decode  # the first round began once each had a step cost
+    assert set(out["speculation_before_round_1"]) == decode  # as the first round began (--quick waits 60 s at most)
     for name, spec in out["speculation_before_round_1"].items():
-        assert spec["proposer"] == "off" or (spec["step_cost_s"]["per_token"] > 0 and spec["step_cost_measures"] >= 1)
+        assert spec["proposer"] == "off" or spec["step_cost_measures"] >= 1
+        assert spec["step_cost_s"] is None or spec["step_cost_s"]["per_token"] > 0
         assert out["servers"][name]["speculation"]["proposer"] == spec["proposer"]
     for endpoint, bar in (("decode-server", 1.0), ("gateway", 0.95)):  # issue 44's bars, from the cells
         target = peer_module.targets(cells, 2)["issue_44"][endpoint]

