@@ -253,10 +253,13 @@ def draft_counts(urls) -> tuple[float, float]:
 SPECULATION_KEYS = ("proposer", "step_cost_s", "step_cost_measures")  # of /health's, the ones a run records
 
 
-def speculation_of(url: str) -> dict:
-    """A decode server's speculation as its ``/health`` reports it: proposer, step cost (None: not yet)."""
-    health = requests.get(f"{url}/health", timeout=10).json()
+def speculation_in(health: dict) -> dict:
+    """A decode server's speculation in its ``/health`` body: proposer, step cost (None: not yet)."""
     return (health.get("model_info") or {}).get("speculation") or {}
+
+
+def speculation_of(url: str) -> dict:
+    return speculation_in(requests.get(f"{url}/health", timeout=10).json())
 
 
 def wait_for_step_costs(urls, timeout: float = 600.0) -> dict:
@@ -596,9 +599,9 @@ def main(argv=None) -> int:
             cluster.wait_healthy(timeout=900)
             for peer in peers:
                 peer.wait_ready()
-            decode = {p.entry.model: p.url for p in cluster.processes if p.entry.role == "decode"}
-            decode_names = {p.entry.name: p.url for p in cluster.processes if p.entry.role == "decode"}
-            decode_pids = [p.proc.pid for p in cluster.processes if p.entry.role == "decode"]
+            decoders = [p for p in cluster.processes if p.entry.role == "decode"]
+            decode = {p.entry.model: p.url for p in decoders}
+            decode_pids = [p.proc.pid for p in decoders]
             everything = [cluster.gateway.proc.pid, *(p.proc.pid for p in cluster.processes)]
             endpoints = [Endpoint("decode-server", ask_decode_server, decode, decode_pids, list(decode.values())),
                          Endpoint("gateway", ask_gateway, {m: cluster.gateway.url for m in model_names}, everything,
@@ -614,8 +617,7 @@ def main(argv=None) -> int:
             for endpoint in endpoints:
                 run_cell(endpoint, warm, 1, model_names, nonce=9999)
             speculation = wait_for_step_costs(decode.values(), timeout=60 if args.quick else 600)
-            before_rounds = {name: {k: speculation[url].get(k) for k in SPECULATION_KEYS}
-                             for name, url in decode_names.items()}
+            before_rounds = {p.entry.name: {k: speculation[p.url].get(k) for k in SPECULATION_KEYS} for p in decoders}
             nonce = 0
             for workload in workloads:
                 for r in range(max(rounds, both_rounds) if workload.name == "decode-bound" else prompt_rounds):
@@ -637,7 +639,7 @@ def main(argv=None) -> int:
                 health = requests.get(f"{p.url}/health", timeout=10).json()
                 policy[p.entry.name]["core_share"] = health.get("core_share")
                 if p.entry.role == "decode":  # speculation: the step cost it drafted by, at the end
-                    spec = (health.get("model_info") or {}).get("speculation") or {}
+                    spec = speculation_in(health)
                     policy[p.entry.name]["speculation"] = {k: spec.get(k) for k in SPECULATION_KEYS}
         finally:
             for peer in peers:
