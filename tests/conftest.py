@@ -15,6 +15,7 @@ decode server for each of "qwen" and "gpt-oss"), on ports the OS picks:
 from __future__ import annotations
 
 import json
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -31,6 +32,40 @@ CALIBRATION = EXAMPLES / "notebooks" / "calibration"
 # sleep at each one (22-30 tok/s), while one thread has no barrier at all (43 tok/s).
 THREADS = 1
 TINY_THREADS = 1  # the tiny models: a step is too small to split anyway
+
+
+QUICK_TIER = "not slow"
+QUICK_WORKERS = 2
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The quick tier (``-m "not slow"``) runs on two pytest-xdist workers unless ``-n`` says otherwise: its
+    time is mostly waits (servers starting and ending, timeouts running out, sandboxes), which overlap on two
+    workers (on the Intel VM of 2026-11-29: 3 min 31 s serial, 2 min 26 s on two). The whole suite stays
+    serial: its slow tests compute on both cores already (four one-thread servers and the test process), and
+    two workers took as long there (half of it in 30 minutes, as serial)."""
+    if (config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput")
+            and config.option.markexpr == QUICK_TIER and config.option.numprocesses is None
+            and not config.option.collectonly and not config.option.usepdb):
+        config.option.numprocesses, config.option.dist = QUICK_WORKERS, "loadgroup"
+        # the workers inherit it: an in-process model of two threads (tests/test_determinism.py) whose threads spun
+        # at every barrier while the other worker held a core took 44 s a test where it takes 2 alone; asleep
+        # at once it waits for the core instead (the wait policy changes no numerics). An operator's own wins.
+        if not any(key in os.environ for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):
+            os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
+def pytest_collection_modifyitems(config, items):
+    """On pytest-xdist workers (``--dist loadgroup``) every test of a module runs on one worker: a module's
+    fixtures start once, as in a serial run. The modules that read the session's grading of the calibration
+    notebooks (``calibration_run``: minutes of the packaged models) share a worker, so it is graded once."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    calibrating = {item.module.__name__ for item in items if "calibration_run" in getattr(item, "fixturenames", ())}
+    for item in items:
+        name = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("calibration" if name in calibrating else name))
 
 
 def sigint_default() -> None:
