@@ -82,6 +82,11 @@ def openmp_wait(policy: str, compute_threads: int, cpus: int | None = None, shar
     return "sleep" if compute_threads > (cpus or os.cpu_count() or 1) else "spin"
 
 
+def openmp_set_by_operator(environ) -> bool:
+    """Whether ``environ`` already tells libgomp how to wait: an operator's own setting wins over ours."""
+    return any(key in environ for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))
+
+
 def openmp_environment(wait: str, shared: bool) -> dict:
     """What a server's environment tells libgomp (read when llama.cpp or torch loads), for its resolved
     ``wait`` (``openmp_wait``): sleep at once at a barrier for ``sleep``; for ``spin`` with shared

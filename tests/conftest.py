@@ -52,15 +52,17 @@ def pytest_cmdline_main(config):
         # the workers inherit it: an in-process model of two threads (tests/test_determinism.py) whose threads spun
         # at every barrier while the other worker held a core took 44 s a test where it takes 2 alone; asleep
         # at once it waits for the core instead (the wait policy changes no numerics). An operator's own wins.
-        if not any(key in os.environ for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):
-            os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        from disaggregated_inference.tuning import openmp_environment, openmp_set_by_operator
+
+        if not openmp_set_by_operator(os.environ):
+            os.environ.update(openmp_environment("sleep", shared=False))
 
 
 def pytest_collection_modifyitems(config, items):
     """On pytest-xdist workers (``--dist loadgroup``) every test of a module runs on one worker: a module's
     fixtures start once, as in a serial run. The modules that read the session's grading of the calibration
     notebooks (``calibration_run``: minutes of the packaged models) share a worker, so it is graded once."""
-    if not config.pluginmanager.hasplugin("xdist"):
+    if config.getoption("dist", "no") == "no":  # serial: no worker to group for
         return
     calibrating = {item.module.__name__ for item in items if "calibration_run" in getattr(item, "fixturenames", ())}
     for item in items:

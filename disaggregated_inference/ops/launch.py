@@ -16,7 +16,7 @@ import sys
 from ..config import is_loopback
 from ..errors import ConfigError
 from ..server.settings import engine_threads
-from ..tuning import openmp_environment, openmp_wait, with_copy_tunable
+from ..tuning import openmp_environment, openmp_set_by_operator, openmp_wait, with_copy_tunable
 
 
 def check_exposure(settings, bind: str, insecure: bool = False) -> None:
@@ -36,7 +36,7 @@ def server_command(settings, bind: str, environ=None) -> tuple[list[str], dict]:
     env.update(DISAGG_SERVER_SETTINGS=settings.to_json(), DISAGG_BIND=bind, DISAGG_PROC_NAME=f"disagg-{settings.name}",
                DISAGG_THREADS=str(settings.threads))
     env = with_copy_tunable(env, settings.non_temporal_copy_bytes)
-    if not any(key in env for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):  # an operator's own wins
+    if not openmp_set_by_operator(env):
         shared = bool(settings.core_group)  # read by libgomp when llama.cpp (or torch) loads
         env.update(openmp_environment(openmp_wait(settings.openmp_wait, engine_threads(settings.model), shared=shared),
                                       shared))
