@@ -30,10 +30,10 @@ TOPICS = ["revenue by region", "returns by product", "discount depth", "online o
           "marketing spend", "inventory turns", "gross margin"]
 
 
-def prompt(i: int) -> str:
-    # 8 different prompts of ~60 to ~900 tokens
+def prompt(i: int, repeats: int | None = None) -> str:
+    # 8 different prompts of ~60 to ~900 tokens (1 + 4i repeats of a ~28-token sentence), or ``repeats``
     body = (f"Quarterly note {i}: the {TOPICS[i]} figures moved as the regional teams expected, with a few "
-            f"exceptions that the finance team explained in the appendix. ") * (1 + 4 * i)
+            f"exceptions that the finance team explained in the appendix. ") * (1 + 4 * i if repeats is None else repeats)
     return body + f"\nIn one sentence, what does note {i} say about {TOPICS[i]}?"
 
 
@@ -195,13 +195,16 @@ def _answer_logprobs(backend, prompt_tokens: list[int], answers: list[str]) -> l
     return scores
 
 
-def _own_prompt_is_likeliest(backend, texts: list[str], numbers: list[int] | None = None) -> list[str]:
+def _own_prompt_is_likeliest(backend, texts: list[str], numbers: list[int] | None = None,
+                             prompts: list[str] | None = None) -> list[str]:
     """The answers that the model finds likelier after another prompt than after their own (cross-talk).
-    ``texts[k]`` answers ``prompt(numbers[k])``; every answer is scored after each of those prompts."""
+    ``texts[k]`` answers prompt ``numbers[k]`` (``prompts[n]``, default ``prompt(n)``); every answer is scored
+    after each of those prompts."""
     from disaggregated_inference.backends.base import Prompt
 
     numbers = numbers or list(range(len(texts)))
-    scores = {n: _answer_logprobs(backend, backend.tokenize(Prompt(text=prompt(n)))[0], texts) for n in set(numbers)}
+    text_of = prompts.__getitem__ if prompts else prompt
+    scores = {n: _answer_logprobs(backend, backend.tokenize(Prompt(text=text_of(n)))[0], texts) for n in set(numbers)}
     wrong = []
     for k, (own, text) in enumerate(zip(numbers, texts)):
         best = max(scores, key=lambda n: scores[n][k])
@@ -223,14 +226,18 @@ def _steps_with_several_requests(http, url: str) -> float:
     raise AssertionError("no disagg_batch_sequences histogram in /metrics")
 
 
+# the eight prompts sent at once: ~60 to ~600 tokens, the longest over a step's 512 (n_batch)
+EIGHT = [prompt(i, repeats) for i, repeats in enumerate((1, 2, 3, 5, 7, 9, 12, 20))]
+
+
 def test_eight_prompts_at_once_each_get_their_own_answer(client, cluster, http, qwen_decode, backend):
-    alone = [client.generate(model="qwen", prompt=prompt(i), max_tokens=24) for i in range(8)]
+    alone = [client.generate(model="qwen", prompt=EIGHT[i], max_tokens=24) for i in range(8)]
     assert all(m["method"] == "kv_handoff" for _, m in alone)
-    assert alone[7][1]["prompt_tokens"] > 800
+    assert alone[7][1]["prompt_tokens"] > 512
     several_before = _steps_with_several_requests(http, qwen_decode)
 
     def one(i):
-        text, metrics = client.generate(model="qwen", prompt=prompt(i), max_tokens=24)
+        text, metrics = client.generate(model="qwen", prompt=EIGHT[i], max_tokens=24)
         ended = time.perf_counter()  # generating on the decode server from ended - decode_time (give or take the reply)
         step = metrics["decode_time"] / max(1, metrics["completion_tokens"])
         return (text, metrics), (ended - metrics["decode_time"], ended, step)
@@ -246,7 +253,7 @@ def test_eight_prompts_at_once_each_get_their_own_answer(client, cluster, http, 
     # no cross-talk: every answer is likeliest after its own prompt (the same model, in-process, scores
     # each answer after each of the 8 prompts); the answers served alone are the criterion's control
     assert _own_prompt_is_likeliest(backend, [text for text, _ in alone] + [text for text, _ in results],
-                                    list(range(8)) * 2) == []
+                                    list(range(8)) * 2, EIGHT) == []
     health = http.get(f"{qwen_decode}/health").json()["slots"]
     assert health["total"] == 4 and health["busy"] == 0
     # they really ran together: when two of them were generating on the decode server at once for two of their

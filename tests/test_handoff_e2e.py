@@ -34,13 +34,19 @@ def prompt_of(n_repeats: int) -> str:
 
 @pytest.fixture(scope="module")
 def reference():
-    """The prefill side's own continuation, computed in this process with the same settings."""
+    """The prefill side's own continuation, computed in this process with the same settings (once a prompt)."""
     import llama_cpp
 
     backend = create(ModelSettings(model="smollm2", n_threads=THREADS, n_ctx=4096))
     backend.load()
+    done = {}
 
     def continue_in_process(prompt: str) -> tuple[list[int], str]:
+        if prompt not in done:
+            done[prompt] = continue_uncached(prompt)
+        return done[prompt]
+
+    def continue_uncached(prompt: str) -> tuple[list[int], str]:
         tokens, _ = backend.tokenize(Prompt(text=prompt))
         out = []
         with backend.sequence() as seq:

@@ -30,7 +30,8 @@ pytestmark = pytest.mark.slow
 TOLERANCE = 0.15
 FILLER = ("Regional managers reported that revenue grew in the north, held steady in the west and "
           "fell slightly in the south. ")
-PROMPT = Prompt(text=FILLER * 6 + "Which region fell?")
+# 79 tokens: MLX's CPU build here evaluates about 6 tokens a second, so every token of it costs the suite
+PROMPT = Prompt(text=FILLER * 2 + "Which region fell?")
 
 
 @pytest.fixture(scope="module")

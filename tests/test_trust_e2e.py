@@ -45,8 +45,9 @@ def test_kv_handle_must_be_the_urls(http, tiny_prefill, tiny_decode):
 
 @pytest.mark.parametrize("field,value", [("bytes", 1), ("crc32c", 12345)])
 def test_a_wrong_declared_size_or_checksum_leaves_the_lease(http, qwen_prefill, qwen_decode, field, value):
-    # a long prompt: tens of MB of KV, more than the sockets' buffers hold, so the abort happens mid-transfer
-    prompt = " ".join(f"word{i}" for i in range(700))
+    # a long prompt (~1,100 tokens): over 16 MB of KV, more than the sockets' buffers hold, so the abort happens
+    # mid-transfer
+    prompt = " ".join(f"word{i}" for i in range(300))
     pre = http.post(f"{qwen_prefill}/prefill", json={"prompt": prompt}).json()
     kv = pre["kv"]
     assert kv["bytes"] > 16 << 20, pre["prompt_tokens"]
