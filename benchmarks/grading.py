@@ -204,7 +204,7 @@ def main(argv=None) -> int:
         "models": (f"generated tiny models, random weights, answers cut at {QUICK_TOKENS} tokens: the answers "
                    "are meaningless, the servers, pacing and deadlines are real" if args.quick else
                    f"{cfg.source}: " + ", ".join(f"{k}={v.get('model')}" for k, v in cfg.models.items())),
-        "class": f"{count} notebooks generated from examples/notebooks/calibration (grading/classgen.py)",
+        "class": f"{count} notebooks generated from examples/calibration (grading/classgen.py)",
         "default_jobs": chosen,
         "best_jobs": best["jobs"],
         "default_vs_best": (round(default_run["notebooks_per_minute"] / best["notebooks_per_minute"], 3)

@@ -64,7 +64,8 @@ def on_tiny_model(data: dict, keep=("qwen",)) -> dict:
 
 def grader_requests(paths=None) -> list:
     """[(notebook path, ModelRequest)]: the requests the grader plans (``plan_requests``) for each notebook of
-    ``paths`` (default: every example notebook) that loads, with the embedded config's grading options."""
+    ``paths`` (default: the calibration notebooks, then the other examples) that loads, with the embedded config's
+    grading options."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     import json
@@ -78,7 +79,10 @@ def grader_requests(paths=None) -> list:
     options = GradingOptions.for_cluster(cluster_config.coerce(json.loads((ROOT / "config_current.json").read_text())))
     rubric = load_rubric(ROOT / "examples" / "rubric.yaml")
     out = []
-    for path in (sorted((ROOT / "examples" / "notebooks").rglob("*.ipynb")) if paths is None else paths):
+    examples = ROOT / "examples"
+    if paths is None:
+        paths = sorted((examples / "calibration").glob("*.ipynb")) + sorted((examples / "notebooks").glob("*.ipynb"))
+    for path in paths:
         sub = load_submission(path)
         if not sub.ok:
             continue

@@ -79,10 +79,8 @@ PEER_SETS = ["decode-bound", "prompt-bound"]  # benchmarks/peer.py's workloads
 def code_requests() -> tuple[list[dict], list[dict]]:
     """The grader's code-analysis requests for the example notebooks (calibration notebooks first), and its
     feedback requests, as /generate bodies: prompt, schema, sampling."""
-    notebooks = ROOT / "examples" / "notebooks"
-    paths = sorted((notebooks / "calibration").glob("*.ipynb")) + sorted(notebooks.glob("*.ipynb"))
     out, feedback = [], []
-    for _, r in quick.grader_requests(paths):
+    for _, r in quick.grader_requests():
         (out if r.role == CODE else feedback).append(
             {"prompt": r.kwargs["prompt"], "json_schema": r.kwargs["json_schema"],
              "max_new_tokens": r.kwargs["max_tokens"], "temperature": 0})

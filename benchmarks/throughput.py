@@ -366,6 +366,11 @@ def engine_rounds(rounds: int, slots: int, threads: int, say, tiny: bool = False
     return bare, rows
 
 
+# --quick's tokens per stream for the deterministic cost: at its 128 the tiny model's 8 streams overlap too little
+# for a window where all are active; 384 give each stream a few seconds
+QUICK_DETERMINISTIC_TOKENS = 384
+
+
 def deterministic_cost(rounds: int, slots: int, threads: int, say, tiny: bool, max_new: int, models,
                        max_tokens: int, slos: dict) -> dict:
     """``deterministic`` on against off, in this run: two decode servers of "qwen" (one each way, the
@@ -453,7 +458,7 @@ def main(argv=None) -> int:
     say = quick.say
     if args.deterministic_only:
         determinism = deterministic_cost(max(args.rounds, 2), args.slots, args.threads, say, args.quick,
-                                         max(args.engine_tokens, 768) if args.quick else args.engine_tokens,
+                                         max(args.engine_tokens, QUICK_DETERMINISTIC_TOKENS) if args.quick else args.engine_tokens,
                                          args.models, args.max_tokens, slos)
         print(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                       "threads": args.threads},
@@ -468,10 +473,9 @@ def main(argv=None) -> int:
                             args.detailed, args.quick) if args.levels else {"parallel": args.slots, "levels": []}
     single = None if args.no_single_slot or not args.levels else measure_cluster(
         1, args.levels, args.models, args.max_tokens, args.threads, say, slos, args.detailed, args.quick)
-    # the tiny model's 8 streams overlap too little at --quick's 128 tokens for a window where all are active
     determinism = None if args.no_deterministic_cost else deterministic_cost(
         max(args.rounds, 2), args.slots, args.threads, say, args.quick,
-        max(args.engine_tokens, 768) if args.quick else args.engine_tokens, args.models,
+        max(args.engine_tokens, QUICK_DETERMINISTIC_TOKENS) if args.quick else args.engine_tokens, args.models,
         args.max_tokens, slos)
     one = multi["levels"][0] if multi["levels"] else None
     eight = next((r for r in multi["levels"] if r["concurrency"] == 8), None)

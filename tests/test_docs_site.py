@@ -157,7 +157,7 @@ def test_the_readme_examples_run_as_written(tiny_cluster, tiny_gateway, tmp_path
     assert decoded["metrics"]["method"] == "kv_handoff" and decoded["metrics"]["prompt_tokens_recomputed"] <= 1
 
 
-@pytest.mark.slow  # about 45 s on 2 cores: eight notebooks, two models, on the tiny cluster
+@pytest.mark.slow  # under a minute on 2 cores: four notebooks (one invalid), two models, on the tiny cluster
 def test_the_readme_grader_example_grades_the_examples(tiny_cluster, tmp_path):
     """The README's grader command as written, on the running tiny cluster instead of one it starts
     (``--config`` for ``--local-cluster``: the same flags otherwise)."""

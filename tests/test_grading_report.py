@@ -29,7 +29,7 @@ def rubric():
 @pytest.fixture
 def submissions(tmp_path):
     folder = tmp_path / "submissions"
-    shutil.copytree(EXAMPLES / "notebooks", folder, ignore=shutil.ignore_patterns("calibration"))
+    shutil.copytree(EXAMPLES / "notebooks", folder)
     return folder
 
 

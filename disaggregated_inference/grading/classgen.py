@@ -19,7 +19,7 @@ import random
 import re
 from pathlib import Path
 
-CALIBRATION = Path(__file__).resolve().parents[2] / "examples" / "notebooks" / "calibration"
+CALIBRATION = Path(__file__).resolve().parents[2] / "examples" / "calibration"
 BASES = ("excellent", "decent", "weak", "wrong")
 NAMES = ("Ada Lovelace", "Alan Turing", "Barbara Liskov", "Claude Shannon", "Donald Knuth", "Edsger Dijkstra",
          "Frances Allen", "Grace Hopper", "Hedy Lamarr", "John Backus", "Karen Sparck Jones", "Katherine Johnson",
