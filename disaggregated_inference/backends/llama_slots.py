@@ -132,13 +132,15 @@ class Slots:
         path for one row against several: the same for SmolLM2's Q4_1/Q8_0 weights (measured: 0.0 beside
         1, 3 and 7 others at 2 threads and 600 cells), another for the tiny llama's F16 ones (5e-7), so it is
         measured here, at load, on the loaded model: two adjacent free slots, a ``context``-token prompt
-        in each, one step alone and then the same step beside the other's. A sliding-window model, flash
-        attention or one slot: False without measuring."""
+        in each, one step alone and then the same step beside the other's. Gemma 3's Q4_K/Q6_K weights (repacking
+        and the tiled matmul off) measure equal too, and its sliding window does not matter here: an unpadded
+        step has no throwaway row to take a cell the window still needs (``_pads``). Flash attention or one
+        slot: False without measuring."""
         import llama_cpp
         import numpy as np
 
-        if (self.settings.flash_attn or self._fingerprint.get("n_swa") or self.slots < 2
-                or len(self._free) < 2 or self.settings.n_ctx < context + 2):
+        if (self.settings.flash_attn or self.slots < 2 or len(self._free) < 2
+                or self.settings.n_ctx < context + 2):
             return False
         text = b"Each region's quarterly revenue, margin and churn are listed with the variance to forecast. "
         ids = self.model.tokenize(text * (1 + context // 12), add_bos=True, special=False)[:context]
