@@ -73,15 +73,15 @@ def grader_requests(paths=None) -> list:
     from disaggregated_inference import config as cluster_config
     from disaggregated_inference.grading import GradingOptions, load_rubric
     from disaggregated_inference.grading.analysis import plan_requests
+    from disaggregated_inference.grading.classgen import CALIBRATION
     from disaggregated_inference.grading.evidence import check_rubric, collect_evidence
     from disaggregated_inference.grading.notebook import load_submission
 
     options = GradingOptions.for_cluster(cluster_config.coerce(json.loads((ROOT / "config_current.json").read_text())))
     rubric = load_rubric(ROOT / "examples" / "rubric.yaml")
     out = []
-    examples = ROOT / "examples"
     if paths is None:
-        paths = sorted((examples / "calibration").glob("*.ipynb")) + sorted((examples / "notebooks").glob("*.ipynb"))
+        paths = sorted(CALIBRATION.glob("*.ipynb")) + sorted((ROOT / "examples" / "notebooks").glob("*.ipynb"))
     for path in paths:
         sub = load_submission(path)
         if not sub.ok:

@@ -456,10 +456,10 @@ def main(argv=None) -> int:
     prioritise()
 
     say = quick.say
+    deterministic_tokens = max(args.engine_tokens, QUICK_DETERMINISTIC_TOKENS) if args.quick else args.engine_tokens
     if args.deterministic_only:
         determinism = deterministic_cost(max(args.rounds, 2), args.slots, args.threads, say, args.quick,
-                                         max(args.engine_tokens, QUICK_DETERMINISTIC_TOKENS) if args.quick else args.engine_tokens,
-                                         args.models, args.max_tokens, slos)
+                                         deterministic_tokens, args.models, args.max_tokens, slos)
         print(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                       "threads": args.threads},
                           "flash_attn": args.flash_attn, "quick": args.quick, "models": args.models, "engine_tokens": args.engine_tokens,
@@ -474,8 +474,7 @@ def main(argv=None) -> int:
     single = None if args.no_single_slot or not args.levels else measure_cluster(
         1, args.levels, args.models, args.max_tokens, args.threads, say, slos, args.detailed, args.quick)
     determinism = None if args.no_deterministic_cost else deterministic_cost(
-        max(args.rounds, 2), args.slots, args.threads, say, args.quick,
-        max(args.engine_tokens, QUICK_DETERMINISTIC_TOKENS) if args.quick else args.engine_tokens, args.models,
+        max(args.rounds, 2), args.slots, args.threads, say, args.quick, deterministic_tokens, args.models,
         args.max_tokens, slos)
     one = multi["levels"][0] if multi["levels"] else None
     eight = next((r for r in multi["levels"] if r["concurrency"] == 8), None)

@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 import requests
 
+from disaggregated_inference.grading.classgen import CALIBRATION
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-CALIBRATION = EXAMPLES / "calibration"
 # Greedy output depends on the thread count: tests and servers use the same. One thread each: the test
 # clusters put four servers (and the test process) on a two-core machine, where two OpenMP threads per model
 # either spin against each other at every barrier (measured here under load: SmolLM2 decoding at ~1 tok/s) or

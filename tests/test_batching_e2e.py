@@ -32,8 +32,9 @@ TOPICS = ["revenue by region", "returns by product", "discount depth", "online o
 
 def prompt(i: int, repeats: int | None = None) -> str:
     # 8 different prompts of ~60 to ~900 tokens (1 + 4i repeats of a ~28-token sentence), or ``repeats``
+    repeats = 1 + 4 * i if repeats is None else repeats
     body = (f"Quarterly note {i}: the {TOPICS[i]} figures moved as the regional teams expected, with a few "
-            f"exceptions that the finance team explained in the appendix. ") * (1 + 4 * i if repeats is None else repeats)
+            f"exceptions that the finance team explained in the appendix. ") * repeats
     return body + f"\nIn one sentence, what does note {i} say about {TOPICS[i]}?"
 
 

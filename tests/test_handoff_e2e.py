@@ -6,6 +6,7 @@ generates from the same state.
 """
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -39,14 +40,9 @@ def reference():
 
     backend = create(ModelSettings(model="smollm2", n_threads=THREADS, n_ctx=4096))
     backend.load()
-    done = {}
 
+    @functools.cache
     def continue_in_process(prompt: str) -> tuple[list[int], str]:
-        if prompt not in done:
-            done[prompt] = continue_uncached(prompt)
-        return done[prompt]
-
-    def continue_uncached(prompt: str) -> tuple[list[int], str]:
         tokens, _ = backend.tokenize(Prompt(text=prompt))
         out = []
         with backend.sequence() as seq:

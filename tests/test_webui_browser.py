@@ -25,11 +25,12 @@ from pathlib import Path
 import pytest
 import requests
 
+from .conftest import CALIBRATION
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "examples" / "notebooks" / "good_sales_analysis.ipynb"
-CALIBRATION = ROOT / "examples" / "calibration"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
