@@ -1,6 +1,6 @@
 """Benchmark: prompt-lookup speculation on a decode server, off against on, in one run on one server.
 
-One decode server (the embedded config's "qwen" model, SmolLM2, ``parallel: 8``, ``--threads``
+One decode server (the embedded config's "qwen" model, SmolLM2, or ``--model gpt-oss``, Gemma 3; ``parallel: 8``, ``--threads``
 threads, ``deterministic`` steps as in the grader's cluster unless ``--deterministic off``) serves
 every row; each request names its proposer (``"speculation": "off"`` or
 ``"ngram"``), so both sides run on the same process, the same slots and the same cached prompts.
@@ -9,6 +9,7 @@ Two prompt sets:
 - ``code``: the grader's own code-analysis requests (``plan_requests``) for the example notebooks
   (the four calibration notebooks first), JSON schema, temperature 0 and ``max_tokens`` as the
   grader sends them;
+- ``feedback``: the grader's feedback requests for the same notebooks (its other model's: ``--model gpt-oss``);
 - ``free``: free-writing chat prompts (stories, explanations), greedy, ``--free-tokens`` each.
 
 Per prompt set, every prompt is sent once first (one token, speculation off), so its slot's prefix
@@ -101,14 +102,15 @@ def peer_requests(workload: str, quick_run: bool) -> list[dict]:
              "ignore_eos": True} for i in range(n)]
 
 
-def config_dict(threads: int, tiny: bool, deterministic: bool = True, flash_attn: bool | None = None) -> dict:
+def config_dict(threads: int, tiny: bool, deterministic: bool = True, flash_attn: bool | None = None,
+                name: str = "qwen") -> dict:
     data = json.loads((ROOT / "config_current.json").read_text())
-    data = quick.on_tiny_model(data, keep=("qwen",)) if tiny else {
-        **data, "models": {"qwen": data["models"]["qwen"]},
-        "prefill_servers": [s for s in data["prefill_servers"] if s["model"] == "qwen"],
-        "decode_servers": [s for s in data["decode_servers"] if s["model"] == "qwen"]}
+    data = quick.on_tiny_model(data, keep=(name,)) if tiny else {
+        **data, "models": {name: data["models"][name]},
+        "prefill_servers": [s for s in data["prefill_servers"] if s["model"] == name],
+        "decode_servers": [s for s in data["decode_servers"] if s["model"] == name]}
     data["prefill_servers"] = []  # decode-only: one server
-    model = data["models"]["qwen"]
+    model = data["models"][name]
     # the model's default does not matter (every request names its proposer); "ngram" measures the step
     # cost at load rather than at the first draft, which would take a slot's cached prompt
     model.update(parallel=SLOTS, n_threads=threads, speculation="ngram", deterministic=deterministic)
@@ -180,8 +182,10 @@ def main(argv=None) -> int:
     ap.add_argument("--free-tokens", type=int, default=160, help="max_tokens of the free-writing prompts")
     ap.add_argument("--code-tokens", type=int, default=0, help="max_tokens of the code requests (0: the grader's)")
     ap.add_argument("--limit", type=int, default=0, help="the first N prompts of each set only (0: all)")
-    ap.add_argument("--sets", nargs="*", default=["code", "free"], choices=["code", "free"] + PEER_SETS,
-                    help="prompt sets: the grader's code requests, free writing, peer.py's workloads")
+    ap.add_argument("--sets", nargs="*", default=["code", "free"], choices=["code", "feedback", "free"] + PEER_SETS,
+                    help="prompt sets: the grader's code and feedback requests, free writing, peer.py's workloads")
+    ap.add_argument("--model", default="qwen", choices=("qwen", "gpt-oss"),
+                    help="the embedded config's model that serves (gpt-oss: Gemma 3, the grader's feedback model)")
     ap.add_argument("--flash-attn", choices=("on", "off"), help="the model's flash_attn (default: the config's)")
     ap.add_argument("--deterministic", choices=("on", "off"), default="on",
                     help="the server's batch-invariant steps (on: as the grader's cluster runs)")
@@ -189,19 +193,19 @@ def main(argv=None) -> int:
     args = quick.apply(ap, ap.parse_args(argv), threads=1, free_tokens=24, code_tokens=32, limit=3)
 
     data = config_dict(args.threads, args.quick, args.deterministic == "on",
-                       None if args.flash_attn is None else args.flash_attn == "on")
+                       None if args.flash_attn is None else args.flash_attn == "on", args.model)
     bodies8: dict[str, list[dict]] = {}
-    code, feedback = code_requests() if "code" in args.sets else ([], [])
-    sets = {"code": code, "free": free_requests(args.free_tokens),
+    code, feedback = code_requests() if {"code", "feedback"} & set(args.sets) else ([], [])
+    sets = {"code": code, "feedback": list(feedback), "free": free_requests(args.free_tokens),
             **{name: peer_requests(name, args.quick) for name in PEER_SETS}}
     sets = {name: sets[name] for name in args.sets}
-    fill = {"code": feedback[:1]}  # the eighth concurrent request where a set has 7
+    fill = {"code": feedback[:1], "feedback": code[:1]}  # the eighth concurrent request where a set has 7
     for name, bodies in sets.items():
         if args.limit:
             del bodies[args.limit:]
         if not args.limit and len(bodies) < SLOTS:
             bodies8[name] = bodies + fill.get(name, [])[:SLOTS - len(bodies)]
-        if args.code_tokens and name == "code":
+        if args.code_tokens and name in ("code", "feedback"):
             for b in bodies + fill.get(name, []):
                 b["max_new_tokens"] = args.code_tokens
     rows = []
@@ -226,14 +230,16 @@ def main(argv=None) -> int:
               for p in sets for c in (1, SLOTS)}
     result = {
         "quick": args.quick,
-        "model": "tiny llama (generated)" if args.quick else data["models"]["qwen"]["model"],
+        "model": "tiny llama (generated)" if args.quick else data["models"][args.model]["model"],
         "threads": args.threads, "slots": SLOTS, "rounds": args.rounds, "deterministic": args.deterministic == "on",
-        "flash_attn": data["models"]["qwen"].get("flash_attn"), "sets": list(sets),
+        "flash_attn": data["models"][args.model].get("flash_attn"), "sets": list(sets),
         # issue 44: ngram becomes the default where no cell falls below this of speculation off
         "cells_below_0_97": sorted(k for k, v in ratios.items() if v < 0.97),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "step_cost": (describe.get("model_info") or describe.get("backend") or {}).get("speculation")
         if isinstance(describe, dict) else None,
+        # what the load measured (deterministic steps): a lone row unpadded, guesses verified at all
+        **{key: (describe.get("model_info") or {}).get(key) for key in ("lone_rows_exact", "verify_rows_exact")},
         "rows": rows,
         "ratios": ratios,
         "all_greedy_equal": all(r["greedy_equal"] for r in rows if r["greedy_equal"] is not None),
