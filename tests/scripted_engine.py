@@ -16,6 +16,7 @@ import numpy as np
 
 from disaggregated_inference.backends import register
 from disaggregated_inference.backends.llama_cpp import LlamaCppBackend
+from disaggregated_inference.backends.llama_loop import TokenSampler
 
 CHANNEL = "<|channel|>"
 THINK = ("<|channel|>analysis<|message|>The user asks for a colour. Blue is calm; green is fresh. Pick blue."
@@ -58,9 +59,9 @@ class ScriptedLlamaCpp(LlamaCppBackend):
         # the script's stage first, then the engine's own chain (grammar, then greedy or the distribution)
         import llama_cpp
 
-        llama_cpp.llama_sampler_chain_add(steered.sampler, llama_cpp.llama_sampler_clone(sampler.sampler))
+        llama_cpp.llama_sampler_chain_add(steered.sampler, llama_cpp.llama_sampler_clone(sampler.chain.sampler))
         sampler.close()
-        return steered
+        return TokenSampler(steered)  # the grammar first: the script's stage already holds one token in reach
 
     def _steer(self, candidates, output) -> None:
         target = self._next(output.script, output.text)
