@@ -109,13 +109,18 @@ class TokenLoop:
         """The sampler of one request: ``schema``'s grammar first (None: no grammar; the loop makes a new one
         when a schema that constrains only the answer comes due), then greedy, or top-k/top-p/temperature/seed.
         Greedy with a grammar also gets the chain without it (``TokenSampler``)."""
+        import llama_cpp
         from llama_cpp import _internals
 
+        grammar_at = 0  # where the grammar goes in the chain (after the end-of-generation bias, if any)
+
         def chain(grammar: bool):
+            nonlocal grammar_at
             sampler = _internals.LlamaSampler()
             if sampling.ignore_eos:  # every end-of-generation token out of reach, before anything else samples
                 sampler.add_logit_bias(self.model.n_vocab(), {t: float("-inf") for t in self._end_ids(output.format)})
             if grammar:
+                grammar_at = llama_cpp.llama_sampler_chain_n(sampler.sampler)
                 sampler.add_grammar(self.model, self._grammar(schema))
             if sampling.temperature <= 0:
                 sampler.add_greedy()
@@ -131,7 +136,7 @@ class TokenLoop:
         with_grammar = chain(schema is not None)
         if schema is None or sampling.temperature > 0:
             return TokenSampler(with_grammar)
-        return TokenSampler(with_grammar, unconstrained=chain(False), grammar_at=1 if sampling.ignore_eos else 0)
+        return TokenSampler(with_grammar, unconstrained=chain(False), grammar_at=grammar_at)
 
     def _eog_tokens(self) -> list[int]:
         """The vocabulary's end-of-generation token ids (computed once)."""
