@@ -103,7 +103,7 @@ def peer_requests(workload: str, quick_run: bool) -> list[dict]:
 
 
 def config_dict(threads: int, tiny: bool, deterministic: bool = True, flash_attn: bool | None = None,
-                name: str = "qwen") -> dict:
+                name: str = "qwen", paired_steps: bool = False) -> dict:
     data = json.loads((ROOT / "config_current.json").read_text())
     data = quick.on_tiny_model(data, keep=(name,)) if tiny else {
         **data, "models": {name: data["models"][name]},
@@ -116,6 +116,8 @@ def config_dict(threads: int, tiny: bool, deterministic: bool = True, flash_attn
     model.update(parallel=SLOTS, n_threads=threads, speculation="ngram", deterministic=deterministic)
     if flash_attn is not None:  # off: deterministic lone tokens unpadded where the load measures that exact
         model["flash_attn"] = flash_attn
+    if paired_steps:  # every sequence two rows a step: guesses verify where one row computes otherwise than two
+        model["paired_steps"] = True
     data["server"].update(queue_timeout=600, max_queue=256)
     return data
 
@@ -189,11 +191,14 @@ def main(argv=None) -> int:
     ap.add_argument("--flash-attn", choices=("on", "off"), help="the model's flash_attn (default: the config's)")
     ap.add_argument("--deterministic", choices=("on", "off"), default="on",
                     help="the server's batch-invariant steps (on: as the grader's cluster runs)")
+    ap.add_argument("--paired-steps", choices=("on", "off"), default="off",
+                    help="deterministic steps with two rows or more of every sequence (the model's paired_steps)")
     quick.add_argument(ap)
     args = quick.apply(ap, ap.parse_args(argv), threads=1, free_tokens=24, code_tokens=32, limit=3)
 
     data = config_dict(args.threads, args.quick, args.deterministic == "on",
-                       None if args.flash_attn is None else args.flash_attn == "on", args.model)
+                       None if args.flash_attn is None else args.flash_attn == "on", args.model,
+                       args.paired_steps == "on")
     bodies8: dict[str, list[dict]] = {}
     code, feedback = code_requests() if {"code", "feedback"} & set(args.sets) else ([], [])
     sets = {"code": code, "feedback": list(feedback), "free": free_requests(args.free_tokens),
@@ -239,7 +244,8 @@ def main(argv=None) -> int:
         "step_cost": (describe.get("model_info") or describe.get("backend") or {}).get("speculation")
         if isinstance(describe, dict) else None,
         # what the load measured (deterministic steps): a lone row unpadded, guesses verified at all
-        **{key: (describe.get("model_info") or {}).get(key) for key in ("lone_rows_exact", "verify_rows_exact")},
+        **{key: (describe.get("model_info") or {}).get(key) for key in ("lone_rows_exact", "verify_rows_exact",
+                                                                  "paired_steps")},
         "rows": rows,
         "ratios": ratios,
         "all_greedy_equal": all(r["greedy_equal"] for r in rows if r["greedy_equal"] is not None),

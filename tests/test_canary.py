@@ -136,6 +136,14 @@ def test_the_exact_tolerance_needs_both_sides_batch_invariant_or_both_not():
     plain = roundtrip(policy.make(x, "llama_cpp/cpu", alone=True, threads=2))
     assert "deterministic" not in plain
     assert policy.check(plain, y, "llama_cpp/cpu", exact=True, threads=2, deterministic=True)["canary_tolerance"] == 0.5
+    # paired steps compute a token otherwise than unpaired batch-invariant ones: exact only beside paired
+    paired = roundtrip(policy.make(x, "llama_cpp/cpu", alone=True, threads=2, deterministic="paired"))
+    assert paired["deterministic"] == "paired"
+    with pytest.raises(CanaryMismatch):
+        policy.check(paired, y, "llama_cpp/cpu", exact=True, threads=2, deterministic="paired")
+    assert policy.check(paired, y, "llama_cpp/cpu", exact=True, threads=2, deterministic=True)["canary_tolerance"] == 0.5
+    assert policy.check(invariant, y, "llama_cpp/cpu", exact=True, threads=2,
+                        deterministic="paired")["canary_tolerance"] == 0.5
 
 
 @pytest.mark.slow  # SmolLM2 in process, twice

@@ -152,7 +152,7 @@ def test_without_flash_attention_smollm2_computes_a_lone_row_unpadded_bit_for_bi
     try:
         assert b._lone_exact and not b._free_row and b.describe()["lone_rows_exact"]
         pads, decode = [], b._decode
-        b._decode = lambda chosen, extra=None: (pads.append(extra), decode(chosen, extra))[1]
+        b._decode = lambda chosen, extra=None, **kw: (pads.append(extra), decode(chosen, extra, **kw))[1]
         greedy = Sampling(max_new_tokens=8, temperature=0, ignore_eos=True)
         b.run(b.generate(Prompt(text=text(1, 40)), greedy, lambda: False))
         steps = [p for p in pads if p is not None]  # the singles' steps: the prompt's last token, then 7 more
@@ -415,7 +415,11 @@ def verify_probe(settings: dict) -> dict:
     from disaggregated_inference.backends import llama_slots
     from disaggregated_inference.backends.speculate import StepCost
 
+    settings = dict(settings)
+    forced = settings.pop("force_paired", False)
     b = tiny_backend(True, **settings)
+    if forced:  # the tiny llama's verify rows are exact without them: paired steps on its layout all the same
+        b._paired = b._verify_exact = True
     b._step_cost = StepCost()
     llama_slots.cut_drafts = lambda *a, **k: None  # the drafts as given: the numerics, not what pays
     try:
@@ -470,8 +474,10 @@ def verify_probe(settings: dict) -> dict:
         finally:
             for seq in seqs:
                 b._release(seq)
-        return {"verify_exact": b._verify_exact, "lone_exact": b._lone_exact, "cut": cut, "rows": rows,
-                "moved": moved, "guesses": sum(g or 0 for step in plan for g in step), "steps": len(plan)}
+        return {"verify_exact": b._verify_exact, "lone_exact": b._lone_exact, "paired": b._paired, "cut": cut,
+                "rows": rows,
+                "moved": moved, "guesses": sum(g or 0 for step in plan for g in step), "steps": len(plan),
+                "planned_rows": sum(1 + g for step in plan for g in step if g is not None)}
     finally:
         b.close()
 
@@ -517,3 +523,35 @@ def test_verify_steps_beside_others_compute_every_row_as_one_token_steps_alone_d
         assert got["rows"] > 2 * got["steps"] + 10
     else:
         assert got["cut"] == got["guesses"]  # every guess stripped
+
+
+@pytest.mark.parametrize("settings", [
+    {"flash_attn": False, "force_paired": True},
+    pytest.param({"model": "smollm2", "flash_attn": False, "paired_steps": True}, marks=pytest.mark.slow),
+    pytest.param({"model": "gemma3-270m", "flash_attn": False, "paired_steps": True}, marks=pytest.mark.slow),
+], ids=["tiny llama, paired", "smollm2 without flash attention, paired", "gemma 3 without flash attention, paired"])
+def test_paired_steps_verify_every_guess_bit_for_bit_where_one_row_computes_otherwise(settings):
+    """``paired_steps``: every generating sequence evaluates two rows or more a step (a single gets a throwaway
+    row in its own stream, a verify step of an odd number of rows one more), so its one-token steps compute
+    as verify steps do. On SmolLM2 and Gemma 3 without flash attention, where a verify step's rows differ
+    from one-token steps (the test above: every guess stripped), the load measures the paired layout exact
+    and every guess of the plan is verified, bit for bit against the paired one-token steps alone, beside
+    others and with gaps in the ids, and none is cut (every stream's rows come in even numbers). The tiny
+    llama needs no pairing (its verify rows are exact unpaired), so its run forces the layout on, with
+    logits on the throwaway rows (its F16 weights compute one output row otherwise than two)."""
+    got = run_verify_probe(settings)
+    assert got["paired"] and got["verify_exact"]
+    assert got["moved"] == []
+    assert got["cut"] == 0 and got["rows"] == got["planned_rows"]
+
+
+def test_paired_steps_stay_off_where_verify_steps_are_exact_unpaired():
+    """The tiny llama's verify rows compute as its one-token steps without pairing: the setting then changes
+    nothing, and ``/health`` says so; off by default."""
+    plain = {k: v for k, v in tiny_model_settings().items() if k != "paired_steps"}
+    assert ModelSettings(**plain).paired_steps is False
+    b = tiny_backend(True, flash_attn=False, paired_steps=True)
+    try:
+        assert b._verify_exact and not b._paired and b.describe()["paired_steps"] is False
+    finally:
+        b.close()

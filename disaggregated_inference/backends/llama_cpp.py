@@ -66,6 +66,11 @@ class LlamaCppSettings(ChatSettings):
     deterministic: bool = option(False, "a sequence's logits are bit for bit the same alone or beside any others "
                                         "(batch-invariant steps: docs/ARCHITECTURE.md, Determinism; the grader's "
                                         "cluster turns it on; on a CPU it costs one request alone half its speed)")
+    paired_steps: bool = option(False, "deterministic steps: every generating sequence evaluates two rows or more a "
+                                       "step (its guesses, or a throwaway row in its own stream), so guesses verify "
+                                       "bit for bit where one row computes otherwise than two (a CPU without flash "
+                                       "attention); measured at load, and off where that does not hold "
+                                       "(docs/ARCHITECTURE.md, Paired steps)")
 
 
 class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
@@ -107,6 +112,7 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
         self._cells_probed = False
         self._lone_exact = False  # deterministic: a lone token's row computes as beside others, unpadded (llama_slots)
         self._verify_exact = True  # deterministic: a verify step's rows compute as one-token steps (llama_slots)
+        self._paired = False  # deterministic: every generating sequence evaluates two rows or more a step (llama_slots)
         self._batches = 0  # llama_decode calls: a row's logits are valid until the next one
 
     # -- loading ---------------------------------------------------------------------------------
@@ -146,7 +152,9 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
         cp.n_batch = self._batch_capacity
         self._piece = s.n_batch
         # deterministic: one ubatch holds a token of every slot (see _evaluate_invariant)
-        cp.n_ubatch = self._n_ubatch = max(min(512, s.n_batch), self.slots if s.deterministic else 1)
+        # (paired steps: two rows of every slot)
+        cp.n_ubatch = self._n_ubatch = max(min(512, s.n_batch), (2 if s.paired_steps else 1) * self.slots
+                                           if s.deterministic else 1)
         threads = self.compute_threads(s)
         cp.n_threads = cp.n_threads_batch = threads
         self._threads = threads if self.engine.endswith("/cpu") else None
@@ -187,6 +195,10 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
         progress(f"loaded in {time.perf_counter() - started:.1f}s")
         self._lone_exact = self._lone_rows_exact() if s.deterministic else False
         self._verify_exact = self._verify_rows_exact() if s.deterministic else True
+        if s.deterministic and s.paired_steps and not self._verify_exact:
+            self._paired = True  # measured in the paired layout; else the steps stay as they were
+            self._paired = self._verify_exact = self._verify_rows_exact()
+            progress(f"paired steps: {'guesses verify exactly' if self._paired else 'not exact here, off'}")
         if s.speculation != "off":
             self._step_cost = self._measure_step_cost()
             progress(f"speculation {s.speculation}: a step costs {self._step_cost}" if self._step_cost else
@@ -194,6 +206,12 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
 
     def fingerprint(self) -> dict:
         return dict(self._fingerprint)
+
+    @property
+    def _steps(self) -> bool | str:
+        """How this server's steps compute, for the canary: False (plain), True (batch-invariant) or "paired"
+        (batch-invariant with paired steps, whose numerics differ from unpaired ones)."""
+        return "paired" if self._paired else bool(self.settings.deterministic)
 
     @property
     def engine(self) -> str:
@@ -215,7 +233,7 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
                 "arch": self._fingerprint.get("arch"), "n_swa": self._fingerprint.get("n_swa"),
                 "n_vocab": self._fingerprint.get("n_vocab"), "prefix_cache": self._prefix_cache,
                 "deterministic": bool(self.settings.deterministic), "lone_rows_exact": self._lone_exact,
-                "verify_rows_exact": self._verify_exact,
+                "verify_rows_exact": self._verify_exact, "paired_steps": self._paired,
                 "tiled_matmul": os.environ.get(TILED_MATMUL_ENV, "1") != "0",
                 "library_version": self._fingerprint.get("library_version"),
                 "chat_format": self.chat.name if self.chat is not None else None,
@@ -290,7 +308,7 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
                 ev = Eval(seq, [tokens[-1]], len(tokens) - 1)
                 yield ev
                 canary = self.canary.make(self._row_logits(ev.row), self.engine, alone=ev.alone,
-                                          threads=self._threads, deterministic=self.settings.deterministic)
+                                          threads=self._threads, deterministic=self._steps)
             canary_time = time.perf_counter() - t3
             keep = tokens
         finally:

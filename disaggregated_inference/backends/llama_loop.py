@@ -215,7 +215,7 @@ class TokenLoop:
             extra = extra.with_(**self.canary.check(canary, self._row_logits(ev.row), self.engine,
                                                     exact=ev.alone and self._restores_exactly(len(tokens)),
                                                     threads=self._threads,
-                                                    deterministic=self.settings.deterministic).given())
+                                                    deterministic=self._steps).given())
         first_at = time.perf_counter()
         own = None  # a sampler this loop made (the answer's grammar)
         try:

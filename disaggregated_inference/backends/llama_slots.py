@@ -120,6 +120,8 @@ class Slots:
         (``_evaluate_invariant``; a verify step of one sequence alone needs no padding, and its rows compute as
         one-token steps do): deterministic steps on a model without a sliding window, where a row past the
         window's end may take a cell the window still needs."""
+        if self._paired:  # every sequence's step carries a second row, in its own stream
+            return True
         return (bool(self.settings.deterministic) and not self._fingerprint.get("n_swa") and not self._lone_exact
                 and self._verify_exact)
 
@@ -247,8 +249,8 @@ class Slots:
         exact = not deterministic or self._verify_exact  # measured at load (_verify_rows_exact)
         if exact and self._step_cost is not None:  # alone with deterministic steps, a guess may take the padding row
             cut_drafts(evals, self._step_cost, self._n_ubatch,
-                       rows=2 if deterministic and len(evals) == 1 and self._free_row else 1, padded=deterministic,
-                       drain=not waiting)
+                       rows=2 if self._paired or (deterministic and len(evals) == 1 and self._free_row) else 1,
+                       padded=deterministic, drain=not waiting)
         if not exact or (deterministic and self._step_cost is None and len(evals) > 1):
             # a verify step's rows would not compute as one-token steps; or no step cost to weigh guesses with
             # (speculation off: a lone sequence's guess in its padding row, which costs nothing), and beside
@@ -323,7 +325,7 @@ class Slots:
             pads = self._pads(rows, unpadded)
             while self._cut_lone_rows(rows, pads):
                 pads = self._pads(rows, unpadded)
-            self._decode(rows, pads)
+            self._decode(rows, pads, pad_logits=not (self._paired and self._lone_exact))
             total += sum(take for _, take in rows)
             for seq, pos, _ in pads:
                 llama_cpp.llama_memory_seq_rm(mem, seq, pos, -1)
@@ -333,9 +335,20 @@ class Slots:
 
     def _pads(self, rows: list[tuple[Eval, int]], unpadded: set) -> list[tuple[int, int, int]]:
         """The throwaway rows (``(seq, pos, token)``) that keep every single of ``rows`` beside another row
-        (``_evaluate_invariant``); a single left alone goes in ``unpadded``."""
+        (``_evaluate_invariant``); a single left alone goes in ``unpadded``. Paired steps: every single gets a
+        second row in its own stream, and a verify step of an odd number of rows one more, so that llama.cpp's
+        ubatches give every stream two rows or more (``_cut_lone_rows`` checks)."""
         import llama_cpp
 
+        if self._paired:
+            pads = []
+            for ev, take in rows:
+                end = ev.pos + ev.done + take  # the position after the step's rows
+                if take % 2 and end < self.settings.n_ctx:
+                    pads.append((ev.seq, end, ev.tokens[ev.done + take - 1]))
+                elif take == 1:  # its stream is full: its last token goes unpaired, and no row of this step
+                    unpadded.update(e.seq for e, _ in rows)  # is held to compute as alone (Eval.alone)
+            return pads
         if self._lone_exact:  # measured at load: no row needs padding
             return []
         mem = llama_cpp.llama_get_memory(self.ctx.ctx)
@@ -364,16 +377,21 @@ class Slots:
     def _cut_lone_rows(self, rows: list[tuple[Eval, int]], pads: list) -> bool:
         """Whether a verify step of ``rows`` would leave a row alone in a ubatch of the step with ``pads``
         (``speculate.split``): then it gives up its last guess (``rows`` changed in place). Not where a lone
-        row was measured at load to compute as one beside others (``_lone_exact``)."""
-        if self._lone_exact:
+        row was measured at load to compute as one beside others (``_lone_exact``). Paired steps: a stream's
+        one row in any ubatch, beside others or not."""
+        if self._lone_exact and not self._paired:
             return False
         counts: dict[int, int] = {}
         for seq, n in [(ev.seq, take) for ev, take in rows] + [(seq, 1) for seq, _, _ in pads]:
             counts[seq] = counts.get(seq, 0) + n  # a padding row in a single's own stream: its second row
         for ubatch in split(sorted(counts.items()), self._n_ubatch):
-            if len(ubatch) == 1 and ubatch[0][1] == 1:
+            if self._paired:
+                lone = {seq for seq, n in ubatch if n == 1}
+            else:
+                lone = {ubatch[0][0]} if len(ubatch) == 1 and ubatch[0][1] == 1 else set()
+            if lone:
                 for i, (ev, take) in enumerate(rows):
-                    if ev.seq == ubatch[0][0] and take > 1:
+                    if ev.seq in lone and take > 1:
                         del ev.tokens[-1]
                         if len(ev.tokens) == 1:
                             ev.draft_acceptance = None
@@ -381,12 +399,15 @@ class Slots:
                         return True
         return False
 
-    def _decode(self, chosen: list[tuple[Eval, int]], pads=None) -> None:
+    def _decode(self, chosen: list[tuple[Eval, int]], pads=None, pad_logits: bool = True) -> None:
         """One ``llama_decode`` of ``take`` tokens of each ``Eval`` and the throwaway rows ``pads``
         (``(seq, pos, token)``), in ascending sequence ids; advances the ``Eval``s and sets ``row``.
         With ``pads`` (a list, maybe empty: the singles of a deterministic step) every row is an output:
         llama.cpp computes the last layer's feed-forward and the output matrix for the output rows
-        only, and one output row takes another matmul path than two or more (5e-7 on the tiny llama)."""
+        only, and one output row takes another matmul path than two or more (5e-7 on the tiny llama).
+        ``pad_logits`` false: the throwaway rows are not outputs (paired steps on weights measured to compute
+        one row as several, ``_lone_exact``: a row without logits skips the output matrix, most of a small
+        model's row)."""
         import llama_cpp
 
         b, n = self._batch, 0
@@ -396,7 +417,7 @@ class Slots:
         for seq, ev, take in sorted(rows, key=lambda r: r[0]):
             if not take:  # padding
                 pos, token = ev
-                b.token[n], b.pos[n], b.n_seq_id[n], b.logits[n] = token, pos, 1, True
+                b.token[n], b.pos[n], b.n_seq_id[n], b.logits[n] = token, pos, 1, pad_logits
                 b.seq_id[n][0] = seq
                 n += 1
                 continue

@@ -51,7 +51,7 @@ def log_softmax(logits):
 
 
 def fingerprint(logits, k: int, engine: str, alone: bool = False, threads: int | None = None,
-                deterministic: bool = False) -> dict:
+                deterministic: bool | str = False) -> dict:
     """The top-``k`` token ids of ``logits`` and their log-probabilities, likeliest first.
 
     Not rounded: JSON carries a float64 exactly, so identical logits on both sides compare as 0."""
@@ -66,8 +66,13 @@ def fingerprint(logits, k: int, engine: str, alone: bool = False, threads: int |
     if threads:
         out["threads"] = int(threads)
     if deterministic:
-        out["deterministic"] = True
+        out["deterministic"] = deterministic if deterministic == "paired" else True
     return out
+
+
+def _steps(deterministic) -> bool | str:
+    """A canary's ``deterministic``: False, True or "paired" (``fingerprint``)."""
+    return "paired" if deterministic == "paired" else bool(deterministic)
 
 
 def compare(sent: dict, logits) -> tuple[bool, float]:
@@ -129,14 +134,15 @@ class CanaryPolicy:
         return self.exact_tolerance if exact else self.tolerance
 
     def make(self, logits, engine: str, alone: bool = False, threads: int | None = None,
-             deterministic: bool = False) -> dict | None:
+             deterministic: bool | str = False) -> dict | None:
         """The canary of a prefill (None when turned off); ``alone``: its token was computed as in a step
         of its own; ``threads``: the compute threads that evaluated it, where they can change the numerics
-        (CPU); ``deterministic``: its step was batch-invariant (computed as alone whatever shared it)."""
+        (CPU); ``deterministic``: its step was batch-invariant (computed as alone whatever shared it), or
+        ``"paired"``: batch-invariant with paired steps (another computation of the same token)."""
         return fingerprint(logits, self.top_k, engine, alone, threads, deterministic) if self.top_k > 0 else None
 
     def check(self, sent: dict | None, logits, engine: str, exact: bool = False, threads: int | None = None,
-              deterministic: bool = False) -> ServerFigures:
+              deterministic: bool | str = False) -> ServerFigures:
         """Compare; the metrics to report, or ``CanaryMismatch`` when beyond tolerance.
 
         ``exact``: this side evaluated the token alone and its backend restores the state bit for
@@ -144,7 +150,7 @@ class CanaryPolicy:
         ``threads`` (a canary that names none, or another count, gets the same-engine
         tolerance); and both sides' steps batch-invariant or both not (``deterministic``: a
         batch-invariant step computes even a lone token as it does one among others, which a plain
-        step does not). A bundle without a canary (an older or canary-less prefill server) is
+        step does not; and both paired or both not, ``"paired"``). A bundle without a canary (an older or canary-less prefill server) is
         reported as ``canary: "absent"`` and passes: refusing it would only force a recompute.
         """
         if not sent:
@@ -152,7 +158,7 @@ class CanaryPolicy:
         started = time.perf_counter()
         top1, divergence = compare(sent, logits)
         exact = (exact and bool(sent.get("alone")) and sent.get("threads") == threads
-                 and bool(sent.get("deterministic")) == bool(deterministic))
+                 and _steps(sent.get("deterministic")) == _steps(deterministic))
         tolerance = self.tolerance_for(sent.get("engine"), engine, exact)
         figures = {"canary": "passed" if divergence <= tolerance else "failed", "canary_top1_match": top1,
                    "canary_divergence": round(divergence, 6), "canary_tolerance": tolerance,
