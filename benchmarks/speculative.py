@@ -28,8 +28,10 @@ cache holds it and the rows measure decoding, not prompt evaluation. Then:
 Each row: ``proposer``, ``prompts``, ``concurrency``, ``decode_tok_s``, ``acceptance`` (accepted
 over drafted guesses; null for off), ``greedy_equal`` (the ngram answers equal the off answers of
 the same prompts at the same concurrency, every one; the off row is the reference: null),
-``differ`` (how many did not), and the tokens. ``ratios``: ngram over off per prompt set and
-concurrency. Requests go to ``/generate`` (decode-only): the token loop is the one a handoff's
+``differ`` (how many did not), and the tokens; at 8, ``same_as_alone``: how many of its answers are the
+text the same prompt got alone with the same proposer, of how many (deterministic steps: all; one
+round, and sets that fill the batch with another set's prompt are not compared). ``ratios``: ngram over
+off per prompt set and concurrency. Requests go to ``/generate`` (decode-only): the token loop is the one a handoff's
 ``/decode`` runs.
 
     .venv/bin/python benchmarks/speculative.py --json
@@ -153,7 +155,10 @@ def measure(url: str, bodies: list[dict], concurrency: int, rounds: int) -> dict
     return {"answers": answers, "seconds": seconds}
 
 
-def rows_of(prompts: str, concurrency: int, measured: dict) -> list[dict]:
+def rows_of(prompts: str, concurrency: int, measured: dict, alone: list[dict] | None = None) -> list[dict]:
+    """The off and ngram rows of one prompt set at one concurrency. ``alone``: the set's answers one at a time
+    ({proposer: answers}, prompt i at i), which each answer at this concurrency is compared with
+    (``same_as_alone``: on deterministic steps every one is the same text)."""
     rows = []
     off = measured["answers"]["off"]
     for proposer in ("off", "ngram"):
@@ -173,6 +178,10 @@ def rows_of(prompts: str, concurrency: int, measured: dict) -> list[dict]:
             "draft_tokens": drafted, "accepted_tokens": accepted,
             "prompt_tokens_evaluated": sum(o["metrics"].get("prompt_tokens_recomputed", 0) for o in outs),
         })
+        if alone is not None:  # the batch sent prompt i % n as its i-th request (measure)
+            first = alone[proposer]
+            pairs = [(o, first[i % len(first)]) for i, o in enumerate(outs)]
+            rows[-1]["same_as_alone"] = [sum(a["generated_text"] == b["generated_text"] for a, b in pairs), len(pairs)]
     return rows
 
 
@@ -221,10 +230,17 @@ def main(argv=None) -> int:
         for name, bodies in sets.items():
             for body in bodies8.get(name, bodies):  # into the prefix cache: 8 slots hold one set's prompts
                 post(url, {**body, "max_new_tokens": 1}, "off")
+            alone = None
             for concurrency in (1, SLOTS):
                 quick.say(f"{name} prompts, concurrency {concurrency} ...")
                 sent = bodies8.get(name, bodies) if concurrency > 1 else bodies
-                new = rows_of(name, concurrency, measure(url, sent, concurrency, args.rounds))
+                measured = measure(url, sent, concurrency, args.rounds)
+                # beside others, each answer against the same prompt's alone (the sets sent at 8 that add
+                # a prompt to fill the batch are not compared)
+                same = alone if concurrency > 1 and len(sent) == len(bodies) and args.rounds == 1 else None
+                new = rows_of(name, concurrency, measured, same)
+                if concurrency == 1:
+                    alone = measured["answers"]
                 for r in new:
                     quick.say(f"  {r['proposer']:5s} {r['decode_tok_s']:8.2f} tok/s  acceptance {r['acceptance']}  "
                               f"greedy_equal {r['greedy_equal']}")

@@ -383,6 +383,8 @@ def test_speculative():
     assert len(rows) == 8
     for r in rows:
         assert r["requests"] == (3 if r["concurrency"] == 1 else 8)  # --quick: three prompts a set
+        # deterministic steps (the script's default): beside seven others, every answer is the one it got alone
+        assert r.get("same_as_alone") == ([8, 8] if r["concurrency"] == 8 else None)
         assert quotient(r["decode_tok_s"], r["completion_tokens"], r["seconds"], 4, 2)
         if r["proposer"] == "off":
             assert r["greedy_equal"] is None and r["acceptance"] is None and r["draft_tokens"] == 0
