@@ -299,11 +299,14 @@ def test_the_graders_embedded_cluster_runs_every_llama_cpp_server_deterministic_
     graded = deterministic(cfg)
     assert all(from_cluster(graded, e.name).model.deterministic for e in graded.servers)
     assert cfg.decode_servers[0].settings["deterministic"] is False  # the caller's config is left alone
-    # on the CPU with an f16 V cache, flash attention off on both sides (a lone row computes exact without it)
+    # on the CPU with an f16 V cache, flash attention off on both sides (a lone row computes exact without it),
+    # and paired steps on with it (verify rows compute otherwise without flash attention; the load measures them)
     assert not any(from_cluster(graded, e.name).model.flash_attn for e in graded.servers)
+    assert all(from_cluster(graded, e.name).model.paired_steps for e in graded.servers)
     data["models"]["qwen"].update(type_v="q8_0", flash_attn=True)  # a quantized V cache needs flash attention
     kept = deterministic(cluster_config.from_dict(data))
     assert all(from_cluster(kept, e.name).model.flash_attn == (e.model == "qwen") for e in kept.servers)
+    assert all(from_cluster(kept, e.name).model.paired_steps == (e.model != "qwen") for e in kept.servers)
 
 
 def test_the_grader_names_the_servers_whose_answers_can_move_with_load():

@@ -43,16 +43,21 @@ def deterministic(cfg):
     a lone row's attention across the threads, so a lone request would need a padding row to compute as
     beside others, at about half a plain step's speed; without it the load measures the lone row exact
     (``model_info.lone_rows_exact``) and the last notebooks of a class, graded alone, decode at 0.9x of
-    plain steps (issue 44; docs/ARCHITECTURE.md, "A lone request's speed"). Prefill and decode servers
-    change alike (flash attention is in the handoff's fingerprint)."""
+    plain steps (issue 44; docs/ARCHITECTURE.md, "A lone request's speed"). Without flash attention a
+    verify step's rows compute otherwise than one-token steps, so ``paired_steps`` goes on with it: the
+    load keeps the paired layout only where it measures every guess exact, and guesses then verify
+    (docs/ARCHITECTURE.md, "Paired steps"). Prefill and decode servers change alike (flash attention is
+    in the handoff's fingerprint, and the canary says whether a side's steps are paired)."""
     def invariant(entry):
         settings = entry.settings
         if settings.get("backend") != "llama_cpp":
             return entry
         changed = {"deterministic": True}
-        if (int(settings.get("n_gpu_layers") or 0) == 0 and settings.get("type_v", "f16") == "f16"
-                and settings.get("flash_attn", True)):
+        on_cpu = int(settings.get("n_gpu_layers") or 0) == 0
+        if on_cpu and settings.get("type_v", "f16") == "f16" and settings.get("flash_attn", True):
             changed["flash_attn"] = False
+        if on_cpu and not changed.get("flash_attn", settings.get("flash_attn", True)):
+            changed["paired_steps"] = True
         if all(settings.get(k) == v for k, v in changed.items()):
             return entry
         return replace(entry, settings={**settings, **changed})
