@@ -139,6 +139,33 @@ def test_cut_drafts_keeps_a_guess_in_a_row_the_step_pays_for_anyway():
     assert unpadded.tokens == [7] and unpadded.draft_acceptance is None
 
 
+def test_a_lone_paired_step_counts_a_guess_in_a_throwaway_row_without_logits_as_a_row_with_logits():
+    """Paired steps whose throwaway rows skip the output matrix (``_lone_exact``): a lone single's step is the
+    step cost's one-token step (measured paired at load), and a guess makes it two rows with logits. A guess the
+    sequence is unlikely to keep is cut; one it is likely to keep still pays. Beside others, and where the
+    throwaway row has logits, a guess takes a row the step pays for anyway."""
+    from types import SimpleNamespace
+
+    from disaggregated_inference.backends.llama_slots import Slots
+
+    def layout(evals, paired=True, lone_exact=True, free_row=True):
+        slots = SimpleNamespace(settings=SimpleNamespace(deterministic=True), _paired=paired,
+                                _lone_exact=lone_exact, _free_row=free_row)
+        return Slots._draft_layout(slots, evals)
+
+    cost = StepCost(per_ubatch=1.4, per_token=0.33, single=1.25)  # a row and a throwaway row: 1.25 one-row steps
+    for acceptance, kept in ((0.3, [7]), (0.9, [7, 1])):
+        ev = Eval(0, [7, 1], 10, draft_acceptance=acceptance)
+        rows, padded = layout([ev])
+        assert (rows, padded) == (1, False)
+        cut_drafts([ev], cost, rows=rows, padded=padded)
+        assert ev.tokens == kept
+    assert layout([Eval(0, [7], 10), Eval(1, [7], 10)]) == (2, True)  # beside others: two rows a stream
+    assert layout([Eval(0, [7], 10)], lone_exact=False) == (2, True)  # the throwaway row has logits
+    assert layout([Eval(0, [7], 10)], paired=False) == (2, True)  # unpaired: the padding row
+    assert layout([Eval(0, [7], 10)], paired=False, free_row=False) == (1, True)
+
+
 def test_ubatches_follow_llama_cpp_split_equal():
     assert ubatches([(0, 1), (1, 1), (2, 1)]) == [3]  # consecutive singles: one ubatch
     assert ubatches([(0, 1), (2, 1)]) == [1, 1]  # a gap splits

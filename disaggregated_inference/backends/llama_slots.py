@@ -125,6 +125,21 @@ class Slots:
         return (bool(self.settings.deterministic) and not self._fingerprint.get("n_swa") and not self._lone_exact
                 and self._verify_exact)
 
+    def _draft_layout(self, evals: list[Eval]) -> tuple[int, bool]:
+        """How ``cut_drafts`` counts this step's rows: (the fewest rows a sequence's step evaluates, whether no
+        ubatch computes one row: ``StepCost.of``'s ``padded``).
+
+        A lone sequence's padding row has logits under unpadded-exact deterministic steps (``_free_row``), and
+        so does a paired step's throwaway row where one row computes otherwise than several: a guess takes it
+        for nothing (2). Where the throwaway rows of paired steps have no logits (``_lone_exact``) a guess costs
+        a row with logits: a lone single's step is then the step cost's one-token step, which the load measured
+        paired (a row and its throwaway row), and a guess makes it two rows with logits (1, unpadded). Beside
+        others, paired steps give every stream two rows or more (2, padded)."""
+        deterministic = bool(self.settings.deterministic)
+        if self._paired:
+            return (1, False) if self._lone_exact and len(evals) == 1 else (2, True)
+        return (2 if deterministic and len(evals) == 1 and self._free_row else 1), deterministic
+
     def _lone_rows_exact(self, context: int = 96) -> bool:
         """Whether a generating token alone in its ``llama_decode`` (one row) gets, bit for bit, the logits it
         gets beside another sequence's token: then ``_evaluate_invariant`` gives it no padding row.
@@ -248,9 +263,8 @@ class Slots:
         chunk, piece, prompt_rows = self.settings.n_batch, self._piece, 0
         exact = not deterministic or self._verify_exact  # measured at load (_verify_rows_exact)
         if exact and self._step_cost is not None:  # alone with deterministic steps, a guess may take the padding row
-            cut_drafts(evals, self._step_cost, self._n_ubatch,
-                       rows=2 if self._paired or (deterministic and len(evals) == 1 and self._free_row) else 1,
-                       padded=deterministic, drain=not waiting)
+            rows, padded = self._draft_layout(evals)
+            cut_drafts(evals, self._step_cost, self._n_ubatch, rows=rows, padded=padded, drain=not waiting)
         if not exact or (deterministic and self._step_cost is None and len(evals) > 1):
             # a verify step's rows would not compute as one-token steps; or no step cost to weigh guesses with
             # (speculation off: a lone sequence's guess in its padding row, which costs nothing), and beside
