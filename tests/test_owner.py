@@ -45,12 +45,16 @@ class FakeBackend:
         self.closed = True
 
 
-def ready_owner(backend, **kw) -> ModelOwner:
-    owner = ModelOwner(backend, **kw)
-    deadline = time.time() + 5
-    while not owner.ready and time.time() < deadline:
+def loaded(owner: ModelOwner, timeout: float = 5.0) -> ModelOwner:
+    """``owner`` once its load has ended, ready or failed (on its own thread: not at once on a busy machine)."""
+    deadline = time.time() + timeout
+    while owner.state == "loading" and time.time() < deadline:
         time.sleep(0.01)
     return owner
+
+
+def ready_owner(backend, **kw) -> ModelOwner:
+    return loaded(ModelOwner(backend, **kw))
 
 
 def test_calls_run_on_the_owner_thread_not_the_caller():
@@ -66,10 +70,7 @@ def test_loading_and_failed_models_answer_503_with_the_reason():
     with pytest.raises(BackendUnavailable, match="still loading") as info:
         slow.call(lambda b: b.work(1))
     assert info.value.details["retry_after"] == 5
-    broken = ModelOwner(FakeBackend(fail_load=True))
-    deadline = time.time() + 5  # the load fails at once, on the owner's thread: on a busy machine, not at once here
-    while broken.state == "loading" and time.time() < deadline:
-        time.sleep(0.01)
+    broken = loaded(ModelOwner(FakeBackend(fail_load=True)))
     assert broken.state == "failed" and "weights are corrupt" in broken.error
     with pytest.raises(BackendUnavailable, match="failed to load: RuntimeError: weights are corrupt"):
         broken.call(lambda b: b.work(1))
