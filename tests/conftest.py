@@ -80,6 +80,18 @@ def sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def command_of(proc) -> str:
+    """A ``psutil.Process``'s command line, or "" once it has ended or is a zombie its parent has not reaped
+    yet (a sandbox's ``bwrap`` pair, a notebook's kernel): a test that lists a launcher's children to find its
+    servers skips those instead of failing on them."""
+    import psutil
+
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def cluster_config_dict(**server) -> dict:
     data = json.loads((ROOT / "config_current.json").read_text())
     for model in data["models"].values():

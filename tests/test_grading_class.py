@@ -26,7 +26,7 @@ from disaggregated_inference.client import DisaggregatedClient
 from disaggregated_inference.grading import GradingOptions, grade_batch, load_rubric
 from disaggregated_inference.grading import cli
 from disaggregated_inference.grading.classgen import generate_class
-from .conftest import sigint_default
+from .conftest import command_of, sigint_default
 from .fakes import StreamingFakeClient
 
 from .tiny_models import tiny_cluster_config
@@ -206,7 +206,7 @@ def test_ctrl_c_stops_the_command_line_and_its_cluster_and_the_same_command_cont
     with grader_process(args, log) as proc:
         first = _wait_for(lambda: sorted(out.glob("s0*.json")), 300, proc, log, "graded notebook")
         servers = _servers_of(proc)
-        assert len([s for s in servers if "gunicorn" in " ".join(s.cmdline())]) >= 4
+        assert len([s for s in servers if "gunicorn" in command_of(s)]) >= 4
         code, took = interrupt(proc)
         text = log.read_text()
     assert code == 130 and took < 10, text[-3000:]

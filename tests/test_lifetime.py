@@ -22,7 +22,7 @@ import pytest
 
 from disaggregated_inference.ops import lifetime
 
-from .conftest import ROOT, tiny_config_dict
+from .conftest import ROOT, command_of, tiny_config_dict
 
 MARK = "DISAGG_LIFETIME_TEST"
 
@@ -139,8 +139,8 @@ def _marked(mark: str) -> list[psutil.Process]:
 
 def _servers(launcher: psutil.Process) -> list[psutil.Process]:
     try:
-        return [c for c in launcher.children(recursive=True) if "gunicorn" in " ".join(c.cmdline())]
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return [c for c in launcher.children(recursive=True) if "gunicorn" in command_of(c)]
+    except psutil.NoSuchProcess:  # the launcher itself ended
         return []
 
 
@@ -324,7 +324,7 @@ def test_the_web_interfaces_local_cluster_and_streamlit_are_stopped_on_sigterm_o
     webui = launcher_factory(["-m", "disaggregated_inference.webui", "--local-cluster", "--config", str(config),
                               "--out", str(tmp_path / "out")])
     webui.wait_for(lambda: "grader web interface: http" in webui.text(), "web interface")
-    seen = webui.wait_for(lambda: [c for c in webui.ps.children(recursive=True) if "streamlit" in " ".join(c.cmdline())]
+    seen = webui.wait_for(lambda: [c for c in webui.ps.children(recursive=True) if "streamlit" in command_of(c)]
                           and webui.ps.children(recursive=True), "streamlit")
     assert webui.stop_with(signal.SIGTERM) == 143, webui.text()[-3000:]
     webui.assert_nothing_left(seen)
