@@ -1,8 +1,9 @@
 """Sampling under a JSON schema's grammar (``llama_loop.TokenSampler``), in process on the generated tiny llama.
 
-Greedy sampling asks the grammar about the unconstrained choice only, and matches the whole vocabulary against
-it only when it refuses, as llama.cpp's own server does. The answer must be the grammar-first chain's, token
-for token: the tiny llama's random weights keep choosing tokens the grammar refuses, so both ways are taken.
+Sampling, greedy or at a temperature, asks the grammar about the unconstrained choice only, and matches the whole
+vocabulary against it only when it refuses, as llama.cpp's own server does. A greedy answer must be the
+grammar-first chain's, token for token; a drawn one must be tokens the grammar allows, and the same again for
+the same seed. The tiny llama's random weights keep choosing tokens the grammar refuses, so both ways are taken.
 """
 from __future__ import annotations
 
@@ -63,17 +64,62 @@ def test_greedy_under_a_grammar_answers_what_the_grammar_first_chain_answers(bac
     assert refused > 0 and fast > 0  # both ways were taken: the grammar refused some choices and let others be
 
 
-def test_sampling_at_a_temperature_keeps_the_grammar_first():
-    """A seeded draw must draw what it drew before: only greedy sampling gets the unconstrained chain."""
-    b = create(ModelSettings(**{**tiny_model_settings(), "n_ctx": 256, "parallel": 1, "speculation": "off"}))
-    b.load()
+def grammar_allows(b, schema: dict, tokens: list[int]) -> bool:
+    """Whether a fresh grammar of ``schema`` lets every token of ``tokens`` through, one after the other."""
+    import ctypes
+
+    import llama_cpp
+    from llama_cpp import _internals
+
+    chain = _internals.LlamaSampler()
+    chain.add_grammar(b.model, b._grammar(schema))
+    grammar = llama_cpp.llama_sampler_chain_get(chain.sampler, 0)
     try:
-        output = b._output(Sampling(json_schema=SCHEMA), None, (), [1, 2, 3])
-        warm = b._sampler(Sampling(temperature=0.4, seed=1, json_schema=SCHEMA), output, SCHEMA)
-        greedy = b._sampler(Sampling(temperature=0.0, json_schema=SCHEMA), output, SCHEMA)
-        plain = b._sampler(Sampling(temperature=0.0), output, None)
-        assert warm.unconstrained is None and plain.unconstrained is None and greedy.unconstrained is not None
-        for s in (warm, greedy, plain):
-            s.close()
+        for token in tokens:
+            cell = llama_cpp.llama_token_data(token, 1.0, 0.0)
+            one = llama_cpp.llama_token_data_array(ctypes.pointer(cell), 1, -1, False)
+            llama_cpp.llama_sampler_apply(grammar, ctypes.byref(one))
+            if one.data[0].logit == float("-inf"):
+                return False
+            llama_cpp.llama_sampler_accept(chain.sampler, token)
+        return True
     finally:
-        b.close()
+        chain.close()
+
+
+def test_sampling_at_a_temperature_asks_the_grammar_about_the_draw_and_a_seed_draws_the_same_again(backend):
+    """At a temperature too the grammar is asked about the unconstrained draw only, and samples over the whole
+    vocabulary only when it refuses (as llama.cpp's ``common_sampler_sample`` does): every token of the answer is
+    one the grammar allows, and the same seed draws the same answer again."""
+    refused = fast = 0
+    for i in range(3):
+        sampling = Sampling(max_new_tokens=48, temperature=0.4, seed=7 + i, json_schema=SCHEMA)
+        text = f"Report {i}: describe the quarterly margins as JSON."
+        drawn = []
+        make = backend._sampler
+
+        def sampler(*args, **kwargs):
+            s = make(*args, **kwargs)
+            sample = s.sample
+
+            def recorded(ctx, row):
+                token = sample(ctx, row)
+                drawn.append(token)
+                return token
+            s.sample = recorded
+            return s
+
+        backend._sampler = sampler
+        try:
+            events, _ = backend.run(backend.generate(Prompt(text=text), sampling, lambda: False))
+        finally:
+            del backend._sampler
+        first = "".join(e.piece for e in events if e.piece)
+        again, _, made = answer(backend, text, sampling, grammar_first=False)
+        assert again == first and first.startswith("{")
+        assert grammar_allows(backend, SCHEMA, drawn), (first, drawn)
+        (s,) = made
+        assert s.unconstrained is not None
+        refused += s.refused
+        fast += len(drawn) - s.refused
+    assert refused > 0 and fast > 0  # both ways were taken

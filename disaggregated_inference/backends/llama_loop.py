@@ -35,17 +35,21 @@ STEP_COST_RETRY_SECONDS = 10.0  # a step cost measurement that found the cores b
 
 
 class TokenSampler:
-    """One request's sampler: a llama.cpp sampler chain, and for greedy sampling under a grammar the same
-    chain without the grammar (``unconstrained``; the grammar is ``chain``'s sampler ``grammar_at``).
+    """One request's sampler: a llama.cpp sampler chain, and under a grammar the same chain without the grammar
+    (``unconstrained``; the grammar is ``chain``'s sampler ``grammar_at``).
 
-    Greedy under a grammar samples as llama.cpp's own server does (``common_sampler_sample``): the
-    unconstrained choice first, the grammar asked about that one token, and the grammar over the whole
-    vocabulary only when it refuses. A grammar only takes tokens out, so the token is the one that the
-    grammar-first chain picks, bit for bit (the first of the highest logits either way), at a fraction of
-    the cost: matching every token of the vocabulary against the grammar took most of a token's time
-    (in process, one sequence, 2 threads, a JSON schema: Gemma 3's 262,144 tokens 137-147 ms a token
-    against 26-27 without the schema; SmolLM2's 49,152, 35 against 15). Sampling at a temperature keeps
-    the grammar first, so that a seed draws what it drew before."""
+    Under a grammar it samples as llama.cpp's own server does (``common_sampler_sample``): the unconstrained
+    choice first, the grammar asked about that one token, and the grammar over the whole vocabulary only when
+    it refuses. Matching every token of the vocabulary against the grammar took most of a token's time (in
+    process, one sequence, 2 threads, a JSON schema: Gemma 3's 262,144 tokens 137-147 ms a token against 26-27
+    without the schema; SmolLM2's 49,152, 35 against 15).
+
+    - Greedy: a grammar only takes tokens out, so the token is the one the grammar-first chain picks, bit for
+      bit (the first of the highest logits either way).
+    - At a temperature: a draw the grammar allows is kept, else the grammar chain draws again. Where top-k and
+      top-p cut nothing, that is the grammar-first chain's distribution exactly (p(v) + P(refused) p(v) /
+      P(allowed) = p(v) / P(allowed)); the draws are another stream of the seed, the same again for the same
+      seed. The two chains' generators are seeded alike and each advances only when it draws."""
 
     def __init__(self, chain, unconstrained=None, grammar_at: int = 0):
         import llama_cpp
@@ -108,7 +112,7 @@ class TokenLoop:
     def _sampler(self, sampling: Sampling, output: chat.Output, schema: dict | None = None) -> "TokenSampler":
         """The sampler of one request: ``schema``'s grammar first (None: no grammar; the loop makes a new one
         when a schema that constrains only the answer comes due), then greedy, or top-k/top-p/temperature/seed.
-        Greedy with a grammar also gets the chain without it (``TokenSampler``)."""
+        Under a grammar it also gets the chain without it (``TokenSampler``)."""
         import llama_cpp
         from llama_cpp import _internals
 
@@ -134,7 +138,7 @@ class TokenLoop:
             return sampler
 
         with_grammar = chain(schema is not None)
-        if schema is None or sampling.temperature > 0:
+        if schema is None:
             return TokenSampler(with_grammar)
         return TokenSampler(with_grammar, unconstrained=chain(False), grammar_at=grammar_at)
 
