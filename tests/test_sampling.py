@@ -11,6 +11,7 @@ import pytest
 
 from disaggregated_inference.backends import ModelSettings, create
 from disaggregated_inference.backends.base import Prompt, Sampling
+from disaggregated_inference.backends.llama_loop import grammar_allows
 
 from .conftest import tiny_model_settings
 
@@ -29,7 +30,8 @@ def backend():
 
 
 def answer(b, text: str, sampling: Sampling, grammar_first: bool) -> tuple[str, int, list]:
-    """The answer's text, its tokens, and the samplers the request made (one more where a schema comes due)."""
+    """The answer's text, its tokens, and the samplers the request made (one more where a schema comes due),
+    each with ``drawn``: the tokens it sampled."""
     made, make = [], b._sampler
 
     def sampler(*args, **kwargs):
@@ -37,6 +39,12 @@ def answer(b, text: str, sampling: Sampling, grammar_first: bool) -> tuple[str, 
         if grammar_first and s.unconstrained is not None:  # as before TokenSampler: the grammar over everything
             s.unconstrained.close()
             s.unconstrained, s._grammar = None, None
+        s.drawn, sample = [], s.sample
+
+        def recorded(ctx, row):
+            s.drawn.append(sample(ctx, row))
+            return s.drawn[-1]
+        s.sample = recorded
         made.append(s)
         return s
 
@@ -64,10 +72,8 @@ def test_greedy_under_a_grammar_answers_what_the_grammar_first_chain_answers(bac
     assert refused > 0 and fast > 0  # both ways were taken: the grammar refused some choices and let others be
 
 
-def grammar_allows(b, schema: dict, tokens: list[int]) -> bool:
+def allowed(b, schema: dict, tokens: list[int]) -> bool:
     """Whether a fresh grammar of ``schema`` lets every token of ``tokens`` through, one after the other."""
-    import ctypes
-
     import llama_cpp
     from llama_cpp import _internals
 
@@ -76,10 +82,7 @@ def grammar_allows(b, schema: dict, tokens: list[int]) -> bool:
     grammar = llama_cpp.llama_sampler_chain_get(chain.sampler, 0)
     try:
         for token in tokens:
-            cell = llama_cpp.llama_token_data(token, 1.0, 0.0)
-            one = llama_cpp.llama_token_data_array(ctypes.pointer(cell), 1, -1, False)
-            llama_cpp.llama_sampler_apply(grammar, ctypes.byref(one))
-            if one.data[0].logit == float("-inf"):
+            if not grammar_allows(grammar, token):
                 return False
             llama_cpp.llama_sampler_accept(chain.sampler, token)
         return True
@@ -95,31 +98,11 @@ def test_sampling_at_a_temperature_asks_the_grammar_about_the_draw_and_a_seed_dr
     for i in range(3):
         sampling = Sampling(max_new_tokens=48, temperature=0.4, seed=7 + i, json_schema=SCHEMA)
         text = f"Report {i}: describe the quarterly margins as JSON."
-        drawn = []
-        make = backend._sampler
-
-        def sampler(*args, **kwargs):
-            s = make(*args, **kwargs)
-            sample = s.sample
-
-            def recorded(ctx, row):
-                token = sample(ctx, row)
-                drawn.append(token)
-                return token
-            s.sample = recorded
-            return s
-
-        backend._sampler = sampler
-        try:
-            events, _ = backend.run(backend.generate(Prompt(text=text), sampling, lambda: False))
-        finally:
-            del backend._sampler
-        first = "".join(e.piece for e in events if e.piece)
-        again, _, made = answer(backend, text, sampling, grammar_first=False)
-        assert again == first and first.startswith("{")
-        assert grammar_allows(backend, SCHEMA, drawn), (first, drawn)
-        (s,) = made
+        first, _, (s,) = answer(backend, text, sampling, grammar_first=False)
+        again, _, (t,) = answer(backend, text, sampling, grammar_first=False)
+        assert again == first and t.drawn == s.drawn and first.startswith("{")
         assert s.unconstrained is not None
+        assert allowed(backend, SCHEMA, s.drawn), (first, s.drawn)
         refused += s.refused
-        fast += len(drawn) - s.refused
+        fast += len(s.drawn) - s.refused
     assert refused > 0 and fast > 0  # both ways were taken

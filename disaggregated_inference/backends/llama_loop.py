@@ -34,6 +34,19 @@ log = logging.getLogger(__name__)
 STEP_COST_RETRY_SECONDS = 10.0  # a step cost measurement that found the cores busy is tried again after this
 
 
+def grammar_allows(grammar, token: int) -> bool:
+    """Whether the grammar sampler ``grammar``, in its present state, lets ``token`` through (asked about that
+    token alone; its state does not change)."""
+    import ctypes
+
+    import llama_cpp
+
+    cell = llama_cpp.llama_token_data(token, 1.0, 0.0)
+    one = llama_cpp.llama_token_data_array(ctypes.pointer(cell), 1, -1, False)
+    llama_cpp.llama_sampler_apply(grammar, ctypes.byref(one))
+    return one.data[0].logit != float("-inf")
+
+
 class TokenSampler:
     """One request's sampler: a llama.cpp sampler chain, and under a grammar the same chain without the grammar
     (``unconstrained``; the grammar is ``chain``'s sampler ``grammar_at``).
@@ -60,16 +73,12 @@ class TokenSampler:
 
     def sample(self, ctx, row: int) -> int:
         """The token sampled from batch row ``row``'s logits; the chain (the grammar's state) has accepted it."""
-        import ctypes
         import llama_cpp
 
         if self._grammar is None:
             return llama_cpp.llama_sampler_sample(self.chain.sampler, ctx, row)
         token = llama_cpp.llama_sampler_sample(self.unconstrained.sampler, ctx, row)
-        cell = llama_cpp.llama_token_data(token, 1.0, 0.0)
-        one = llama_cpp.llama_token_data_array(ctypes.pointer(cell), 1, -1, False)
-        llama_cpp.llama_sampler_apply(self._grammar, ctypes.byref(one))
-        if one.data[0].logit != float("-inf"):
+        if grammar_allows(self._grammar, token):
             llama_cpp.llama_sampler_accept(self.chain.sampler, token)
             return token
         self.refused += 1

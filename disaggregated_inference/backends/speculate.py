@@ -16,8 +16,8 @@ p(y) / (1 - p(x)) for y != x, which is the residual distribution norm(max(0, p -
 follows the model's distribution after top-k/top-p/temperature, and every emitted token costs the
 same draws of the sampler's random streams, in order, as without speculation (under a grammar, one of
 the unconstrained chain's, and one of the grammar chain's when the grammar refuses that draw:
-``llama_loop.TokenSampler``): with a seed and the same logits, the same text. The grammar of a JSON schema advances token by token through the sampler
-chain and sees only the tokens that were emitted (a row is sampled only once the guess before it
+``llama_loop.TokenSampler``): with a seed and the same logits, the same text. The grammar of a JSON
+schema advances token by token through the sampler chain and sees only the tokens that were emitted (a row is sampled only once the guess before it
 was accepted), so a guess is kept only where the grammar-constrained choice equals it. Stop strings,
 end-of-generation tokens, ``max_tokens`` and cancellation are checked per emitted token by the loop,
 as without speculation. Greedy text equals the text without speculation as far as the verify step's
