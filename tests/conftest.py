@@ -36,20 +36,25 @@ TINY_THREADS = 1  # the tiny models: a step is too small to split anyway
 
 
 QUICK_TIER = "not slow"
-QUICK_WORKERS = 2
+WORKERS = 2
+# the modules that start the packaged models' session cluster (``cluster``, ``calibration_run``) share one worker
+# group, so that it starts once; the group goes first, as it is the longest
+CLUSTER_GROUP = "cluster"
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    """The quick tier (``-m "not slow"``) runs on two pytest-xdist workers unless ``-n`` says otherwise: its
-    time is mostly waits (servers starting and ending, timeouts running out, sandboxes), which overlap on two
-    workers (on the Intel VM of 2026-11-29: 3 min 31 s serial, 2 min 26 s on two). The whole suite stays
-    serial: its slow tests compute on both cores already (four one-thread servers and the test process), and
-    two workers took as long there (half of it in 30 minutes, as serial)."""
+    """A run of the whole suite or of a tier (no paths given) goes on two pytest-xdist workers unless ``-n`` says
+    otherwise; a run of chosen files or tests stays serial. Half of the suite's time was waits (servers starting and
+    ending, timeouts, sandboxes, slow clients) or one core computing (the tests' models compute on one thread), and
+    two workers overlap them: on the Intel VM of 2026-12-06 the serial suite kept the two cores 58% busy
+    (docs/TESTING.md)."""
+    from _pytest.config import Config
+
     if (config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput")
-            and config.option.markexpr == QUICK_TIER and config.option.numprocesses is None
+            and config.args_source != Config.ArgsSource.ARGS and config.option.numprocesses is None
             and not config.option.collectonly and not config.option.usepdb):
-        config.option.numprocesses, config.option.dist = QUICK_WORKERS, "loadgroup"
+        config.option.numprocesses, config.option.dist = WORKERS, "loadgroup"
         # the workers inherit it: an in-process model of two threads (tests/test_determinism.py) whose threads spun
         # at every barrier while the other worker held a core took 44 s a test where it takes 2 alone; asleep
         # at once it waits for the core instead (the wait policy changes no numerics). An operator's own wins.
@@ -59,16 +64,33 @@ def pytest_cmdline_main(config):
             os.environ.update(openmp_environment("sleep", shared=False))
 
 
+def pytest_configure_node(node):
+    """pytest-xdist, on the controller: tells a worker whether tests go out by group (a worker parses the
+    command line it was started with, so a ``dist`` set by ``pytest_cmdline_main`` does not reach it)."""
+    node.workerinput["disagg_loadgroup"] = node.config.getvalue("dist") == "loadgroup"
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """On pytest-xdist workers (``--dist loadgroup``) every test of a module runs on one worker: a module's
-    fixtures start once, as in a serial run. The modules that read the session's grading of the calibration
-    notebooks (``calibration_run``: minutes of the packaged models) share a worker, so it is graded once."""
-    if config.getoption("dist", "no") == "no":  # serial: no worker to group for
+    fixtures start once, as in a serial run. The modules that use the packaged models' session cluster
+    (``cluster``, and ``calibration_run``: minutes of grading on it) share a worker, so it starts and grades once;
+    their group is handed out first, as the longest, and the others by how many slow tests they hold, the most
+    first, so that no long module is left for the end while the other worker has nothing left to do."""
+    if getattr(config, "workerinput", {}).get("disagg_loadgroup"):
+        config.option.loadgroup = True  # read by xdist's own hook, after this one: it suffixes each id with its group
+    if not getattr(config.option, "loadgroup", False):  # a serial run: nothing to group
         return
-    calibrating = {item.module.__name__ for item in items if "calibration_run" in getattr(item, "fixturenames", ())}
+    packaged = {item.module.__name__ for item in items
+                if {"cluster", "calibration_run"} & set(getattr(item, "fixturenames", ()))}
     for item in items:
         name = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group("calibration" if name in calibrating else name))
+        item.add_marker(pytest.mark.xdist_group(CLUSTER_GROUP if name in packaged else name))
+    slow: dict[str, int] = {}
+    for item in items:
+        slow[item.module.__name__] = slow.get(item.module.__name__, 0) + bool(item.get_closest_marker("slow"))
+    # stable: each module's own order is kept
+    items.sort(key=lambda item: (item.module.__name__ not in packaged, -slow[item.module.__name__]))
 
 
 def sigint_default() -> None:

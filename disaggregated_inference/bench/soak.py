@@ -202,9 +202,12 @@ class ResourceSampler(Periodic):
     def __init__(self, cluster: SoakCluster, every: float, finished, session: requests.Session):
         self.cluster, self.interval, self.finished, self.session = cluster, every, finished, session
         self.rows: list[dict] = []
+        self._rows_lock = threading.Lock()
 
-    def sample(self) -> None:
-        now, done = time.perf_counter(), self.finished()
+    def sample(self) -> list[dict]:
+        """One row per process, appended to ``rows`` together and returned: the soak's end samples while this
+        thread may be sampling too, and a slow sample's rows must not interleave with another's."""
+        now, done, rows = time.perf_counter(), self.finished(), []
         for proc in self.cluster.processes():
             row = {"t": now, "server": proc.entry.name, "role": proc.entry.role, "requests_done": done,
                    "pid": None, "rss_bytes": None, "open_files": None, "threads": None, "leases": None}
@@ -215,7 +218,10 @@ class ResourceSampler(Periodic):
                     row["leases"] = int(self.session.get(proc.url + "/health", timeout=1).json()["leases"]["held"])
                 except (requests.RequestException, ValueError, KeyError, TypeError):
                     pass
-            self.rows.append(row)
+            rows.append(row)
+        with self._rows_lock:
+            self.rows.extend(rows)
+        return rows
 
 
 
@@ -395,9 +401,7 @@ def _inject_all(options: SoakOptions, injector: Injector, result: SoakRun, stop,
 
 
 def _prefill_leases(cluster: SoakCluster, sampler: ResourceSampler) -> dict:
-    sampler.sample()
-    rows = sampler.rows[-len(cluster.processes()):]
-    return {r["server"]: r["leases"] for r in rows if r["role"] == "prefill"}
+    return {r["server"]: r["leases"] for r in sampler.sample() if r["role"] == "prefill"}
 
 
 def _leases_at_end(cluster: SoakCluster, sampler: ResourceSampler, result: SoakRun, options: SoakOptions) -> dict:
