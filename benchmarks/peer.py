@@ -543,6 +543,9 @@ def main(argv=None) -> int:
     parser.add_argument("--server-option", action="append", default=[], metavar="KEY=JSON",
                         help="a key of the config's server section for this run (A/B of policies), e.g. "
                              "share_cores=false or openmp_wait='\"sleep\"'")
+    parser.add_argument("--model-option", action="append", default=[], metavar="KEY=JSON",
+                        help="a setting of every model of our cluster for this run (A/B of engine settings), e.g. "
+                             "speculation='\"off\"'")
     parser.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
                         help="an environment variable for our servers only, e.g. GOMP_SPINCOUNT=300000")
     parser.add_argument("--peer-env", action="append", default=[], metavar="NAME=VALUE",
@@ -576,6 +579,10 @@ def main(argv=None) -> int:
     for option in args.server_option:
         key, _, value = option.partition("=")
         data["server"][key] = json.loads(value)
+    for option in args.model_option:
+        key, _, value = option.partition("=")
+        for model in data["models"].values():
+            model[key] = json.loads(value)
     server_env = dict(item.partition("=")[::2] for item in args.server_env)
     peer_env = dict(item.partition("=")[::2] for item in args.peer_env)
     model_names = list(data["models"])  # qwen (SmolLM2) first: the one busy model
@@ -650,6 +657,7 @@ def main(argv=None) -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "threads": args.threads,
                     "slots": args.slots, "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
                     "autogroup_nice": args.autogroup_nice, "server_options": args.server_option,
+                    "model_options": args.model_option,
                     "server_env": server_env, "peer_env": peer_env,
                     "omp_environment": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_"))}},
         "models": {m: Path(data["models"][m]["model"]).name for m in model_names},

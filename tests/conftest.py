@@ -64,6 +64,7 @@ def pytest_cmdline_main(config):
             os.environ.update(openmp_environment("sleep", shared=False))
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a run with ``-p no:xdist`` does not know it
 def pytest_configure_node(node):
     """pytest-xdist, on the controller: tells a worker whether tests go out by group (a worker parses the
     command line it was started with, so a ``dist`` set by ``pytest_cmdline_main`` does not reach it)."""
