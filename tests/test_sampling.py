@@ -106,3 +106,57 @@ def test_sampling_at_a_temperature_asks_the_grammar_about_the_draw_and_a_seed_dr
         refused += s.refused
         fast += len(s.drawn) - s.refused
     assert refused > 0 and fast > 0  # both ways were taken
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_greedy_without_a_grammar_reads_the_argmax_and_takes_the_chains_token(backend, ignore_eos):
+    """Greedy without a schema reads the argmax off the row's logits instead of running the chain (the end
+    tokens' bias, then greedy), which copies the whole vocabulary first: every token is the chain's own."""
+    import llama_cpp
+
+    for i in range(3):
+        sampling = Sampling(max_new_tokens=24, temperature=0.0, ignore_eos=ignore_eos)
+        _, _, (s,) = answer(backend, f"Note {i}: the quarterly margins were", sampling, grammar_first=False)
+        assert s._greedy is not None
+        assert bool(s._greedy[1]) == ignore_eos  # the end tokens are barred only under ignore_eos
+    seen = []
+    make = backend._sampler
+
+    def checking(*args, **kwargs):
+        s = make(*args, **kwargs)
+        fast = s.sample
+
+        def both(ctx, row):
+            token = fast(ctx, row)
+            seen.append((token, llama_cpp.llama_sampler_sample(s.chain.sampler, ctx, row)))
+            return token
+        s.sample = both
+        return s
+    backend._sampler = checking
+    try:
+        for i in range(3):
+            backend.run(backend.generate(Prompt(text=f"Note {i}: the quarterly margins were"),
+                                         Sampling(max_new_tokens=24, temperature=0.0, ignore_eos=ignore_eos),
+                                         lambda: False))
+    finally:
+        del backend._sampler
+    assert len(seen) >= 3 and all(fast == chain for fast, chain in seen), seen
+
+
+def test_greedy_argmax_keeps_barred_tokens_out_and_leaves_a_nan_row_to_the_chain(monkeypatch):
+    """The argmax's two edges, on made-up rows: an end token ``ignore_eos`` bars is never the answer (the next
+    highest is), and a row whose argmax is NaN goes to the chain, which never picks a NaN."""
+    import llama_cpp
+    import numpy as np
+
+    from disaggregated_inference.backends.llama_loop import TokenSampler
+
+    class Chain:
+        sampler = object()
+    monkeypatch.setattr(llama_cpp, "llama_sampler_sample", lambda sampler, ctx, row: -1)  # the chain: -1 here
+    rows = {0: np.array([0.5, 3.0, 2.0, 3.0], dtype=np.float32),  # 1 and 3 tie: the first
+            1: np.array([0.5, 1.0, 9.0, 2.0], dtype=np.float32),  # 2 is barred: 3 is next
+            2: np.array([0.5, np.nan, 2.0, 1.0], dtype=np.float32)}
+    s = TokenSampler(Chain(), greedy=(rows.__getitem__, frozenset({2})))
+    assert [s.sample(None, row) for row in (0, 1, 2)] == [1, 3, -1]
+    assert rows[1][2] == 9.0  # the row itself is left as it was

@@ -109,7 +109,7 @@ class _Job:
     def __init__(self, fn, streaming: bool, reservation: Reservation, progress=None):
         self.fn, self.streaming, self.reservation = fn, streaming, reservation
         self.progress = progress  # a request's Progress (progress.py): the prompt tokens evaluated are counted
-        self.out: queue.Queue = queue.Queue()
+        self.out: queue.SimpleQueue = queue.SimpleQueue()  # C: a put and a get without a Condition (one a token)
         self.cancelled = False
         self.queue_time = reservation.waited
 
@@ -162,6 +162,8 @@ class ModelOwner:
         self.steps = 0
         self.batch_tokens = deque(maxlen=256)  # tokens per llama_decode of the latest steps
         self.on_step: Callable[[int, int], None] = lambda sequences, tokens: None
+        # what the batched loop has for the HTTP threads, handed over as the next step starts (``_deliver``)
+        self._outbox: list[tuple[queue.SimpleQueue, tuple]] = []
         self._thread = threading.Thread(target=self._run, name="model-owner", daemon=True)
         self._thread.start()
         atexit.register(_shutdown_at_exit, weakref.ref(self))
@@ -313,6 +315,8 @@ class ModelOwner:
         calibrate_after = next(calibrations)  # None once the backend wants no more (BatchedBackend.calibrate)
         while True:
             stepping = any(_is_eval(t.pending) for t in active)
+            if not stepping:
+                self._deliver()
             if not stepping and self.cores is not None:  # nothing to compute (parked requests wait on the network)
                 self.cores.idle()
             try:  # wait for work only when there is nothing to step (parked requests are looked at now and then)
@@ -327,6 +331,7 @@ class ModelOwner:
                         calibrate_after += random.uniform(0, 1)
             while job is not None:
                 if job is _STOP:
+                    self._deliver()
                     for task in active:
                         task.gen.close()
                         task.job.reservation.release()
@@ -349,6 +354,8 @@ class ModelOwner:
             before = [t.pending.done for t in pending]
             if self.cores is not None:
                 self._take_cores()
+            self._deliver()
+            if self.cores is not None:
                 wall, cpu = time.perf_counter(), time.thread_time()
             try:
                 n = self.backend.evaluate([t.pending for t in pending], waiting=self._waiting)
@@ -391,15 +398,28 @@ class ModelOwner:
             self.backend.set_threads(threads, shared=shared)
             self.compute_threads, self.cores_shared = threads, shared
 
+    def _deliver(self) -> None:
+        """Hand the HTTP threads what the last step made, as the next one starts.
+
+        A put wakes the request's thread, which wants the GIL at once; each of the owner's ctypes calls
+        between two steps (the logits, detokenizing) lets it go, and the owner then waited out that thread's
+        line and socket write before its next call: the two threads took turns on one core while the other
+        core's OpenMP thread waited for the step. Handed over just before ``llama_decode`` (which lets the
+        GIL go for the step), the HTTP threads run while the step computes. An answer's items keep their
+        order: its end goes through here too."""
+        outbox, self._outbox = self._outbox, []
+        for out, item in outbox:
+            out.put(item)
+
     def _start(self, job: _Job, active: list) -> None:
         try:
             gen = job.fn(self.backend, job.is_cancelled) if job.streaming else job.fn(self.backend)
         except BaseException as exc:
-            job.out.put(("error", exc))
+            self._outbox.append((job.out, ("error", exc)))
             job.reservation.release()
             return
         if not job.streaming and not hasattr(gen, "send"):  # a plain value: nothing to batch
-            job.out.put(("value", gen))
+            self._outbox.append((job.out, ("value", gen)))
             job.reservation.release()
             return
         task = _Task(job, gen)
@@ -415,7 +435,7 @@ class ModelOwner:
                 if _is_eval(item) or hasattr(item, "ready"):  # an Eval, or a Wait: parked until ready()
                     task.pending = item
                     return
-                job.out.put(("item", item))
+                self._outbox.append((job.out, ("item", item)))
                 if job.cancelled:
                     self._finish(task, active, None)
                     return
@@ -433,7 +453,7 @@ class ModelOwner:
             self.cores.idle()
         task.job.reservation.release()
         if outcome is not None:
-            task.job.out.put(outcome)
+            self._outbox.append((task.job.out, outcome))
 
 
 def _shutdown_at_exit(ref) -> None:
