@@ -519,6 +519,11 @@ def targets(cells: list[dict], decode_c: int) -> dict:
             "issue_44": issue_44}
 
 
+def json_options(options: list[str]) -> dict:
+    """``KEY=JSON`` arguments (``--server-option``, ``--model-option``) as a dict of their parsed values."""
+    return {key: json.loads(value) for key, _, value in (option.partition("=") for option in options)}
+
+
 def tiny_model() -> str:
     """The generated tiny GGUF --quick serves under both model names (tests/tiny_models.py)."""
     from tests.tiny_models import SHAPES, tiny_gguf
@@ -576,13 +581,9 @@ def main(argv=None) -> int:
         say(f"peer skipped: {skipped}")
 
     data = cluster_config(args.slots, args.threads, tiny)
-    for option in args.server_option:
-        key, _, value = option.partition("=")
-        data["server"][key] = json.loads(value)
-    for option in args.model_option:
-        key, _, value = option.partition("=")
-        for model in data["models"].values():
-            model[key] = json.loads(value)
+    data["server"].update(json_options(args.server_option))
+    for model in data["models"].values():
+        model.update(json_options(args.model_option))
     server_env = dict(item.partition("=")[::2] for item in args.server_env)
     peer_env = dict(item.partition("=")[::2] for item in args.peer_env)
     model_names = list(data["models"])  # qwen (SmolLM2) first: the one busy model

@@ -14,6 +14,7 @@ decode server for each of "qwen" and "gpt-oss"), on ports the OS picks:
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import threading
@@ -87,9 +88,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         name = item.module.__name__
         item.add_marker(pytest.mark.xdist_group(CLUSTER_GROUP if name in packaged else name))
-    slow: dict[str, int] = {}
-    for item in items:
-        slow[item.module.__name__] = slow.get(item.module.__name__, 0) + bool(item.get_closest_marker("slow"))
+    slow = collections.Counter(item.module.__name__ for item in items if item.get_closest_marker("slow"))
     # stable: each module's own order is kept
     items.sort(key=lambda item: (item.module.__name__ not in packaged, -slow[item.module.__name__]))
 

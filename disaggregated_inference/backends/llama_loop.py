@@ -18,9 +18,9 @@ the answer. ``speculate.py`` says why it is exact and how it decides which draft
 from __future__ import annotations
 
 import codecs
-import math
 import json
 import logging
+import math
 import os
 import time
 
@@ -166,7 +166,7 @@ class TokenLoop:
 
         with_grammar = chain(schema is not None)
         if schema is None:
-            barred = frozenset(self._end_ids(output.format)) if sampling.ignore_eos else frozenset()
+            barred = self._end_ids(output.format) if sampling.ignore_eos else frozenset()
             return TokenSampler(with_grammar, greedy=(self._row_logits, barred) if sampling.temperature <= 0 else None)
         return TokenSampler(with_grammar, unconstrained=chain(False), grammar_at=grammar_at)
 

@@ -315,10 +315,10 @@ class ModelOwner:
         calibrate_after = next(calibrations)  # None once the backend wants no more (BatchedBackend.calibrate)
         while True:
             stepping = any(_is_eval(t.pending) for t in active)
-            if not stepping:
+            if not stepping:  # nothing to compute (parked requests wait on the network)
                 self._deliver()
-            if not stepping and self.cores is not None:  # nothing to compute (parked requests wait on the network)
-                self.cores.idle()
+                if self.cores is not None:
+                    self.cores.idle()
             try:  # wait for work only when there is nothing to step (parked requests are looked at now and then)
                 job = self._jobs.get(block=not stepping, timeout=PARKED_POLL_SECONDS if active
                                      else calibrate_after)
