@@ -156,6 +156,20 @@ def test_hidden_tests_earn_and_lose_their_points_and_reports_name_them_by_title_
     assert "South should total 900" in student and "SECRET_MARKER" not in student
 
 
+def test_a_python_installed_under_tmp_is_bound_inside_the_sandbox_s_own_tmp(tmp_path, monkeypatch):
+    """A checkout under /tmp (a CI clone there) has its .venv there. bubblewrap applies its arguments in order: the
+    sandbox's own /tmp is mounted first and the interpreter bound inside it, where a /tmp mounted after the bind hid
+    it (every probe run failed: setpriv could not find the .venv's python, and no notebook was re-run)."""
+    from disaggregated_inference.grading.sandbox import Sandbox
+
+    monkeypatch.setattr(sys, "prefix", "/tmp/clone/.venv")
+    cmd = Sandbox("bwrap", "prlimit", None).command(tmp_path / "home", tmp_path / "audit", ExecutionLimits(), None)
+    tmpfs = cmd.index("--tmpfs")
+    assert cmd[tmpfs + 1] == "/tmp" and cmd.count("--tmpfs") == 1
+    bind = next(i for i in range(len(cmd) - 2) if cmd[i] == "--ro-bind" and cmd[i + 2] == "/tmp/clone/.venv")
+    assert tmpfs < cmd.index("/tmp/clone") < bind  # its parent made inside the sandbox's /tmp, then the bind
+
+
 def test_without_a_sandbox_nothing_runs_and_the_grader_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(rerun_module, "find_sandbox", lambda: (None, "no sandbox: bwrap missing; not re-run"))
     monkeypatch.setattr(cli, "find_sandbox", lambda: (None, "no sandbox: bwrap missing; not re-run"))

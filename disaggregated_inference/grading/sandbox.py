@@ -150,11 +150,13 @@ class Sandbox:
                "--die-with-parent", "--new-session"]
         if uid is None:  # an ordinary user: a user namespace, the same user inside, no capabilities
             cmd += ["--unshare-user", "--cap-drop", "ALL"]
+        # its /tmp first: a Python installed under /tmp (a checkout's .venv there) is bound inside it, not hidden by it
+        cmd += ["--perms", "1777", "--size", str(limits.tmp_mb * mb), "--tmpfs", "/tmp"]
         cmd += _bwrap_paths() + _environment()
         cmd += ["--perms", "0755", "--dir", "/opt/grader", "--ro-bind", str(RUNNER), INSIDE_RUNNER,
                 "--perms", "0755", "--dir", INSIDE_AUDIT, "--bind", str(audit), INSIDE_AUDIT,
-                "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(limits.tmp_mb * mb), "--tmpfs",
-                "/tmp", "--perms", "0755", "--dir", "/home", "--bind", str(private), HOME, "--chdir", HOME, "--"]
+                "--proc", "/proc", "--dev", "/dev",
+                "--perms", "0755", "--dir", "/home", "--bind", str(private), HOME, "--chdir", HOME, "--"]
         if uid is not None:  # root: become the sandbox's own user, with no capabilities, before any of its code
             cmd += [self.setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
                     "--bounding-set=-all", "--no-new-privs", "--"]
