@@ -46,8 +46,10 @@ JSON: ``rows`` (``endpoint``, ``workload``, ``concurrency``, ``busy_models``, ``
 ``gen_tok_s`` = completion tokens of the cell over ``wall_s``, requests, tokens, failures, the
 endpoint's processes' CPU milliseconds per token, ``draft_tokens`` and ``accepted_tokens``: the
 guesses our decode servers verified and kept during the cell, from their ``/metrics``; null for the
-peer; and per model the mean and the slowest request's seconds),
-``cells`` (medians over rounds and each cell's ``speed_vs_peer``: the median of the rounds' own
+peer; ``step_s``, ``between_steps_s`` and ``step_share``: the seconds our decode servers' owner threads
+spent in model steps and between two steps while requests went on stepping, and the steps' share of the
+two; and per model the mean and the slowest request's seconds),
+``cells`` (medians over rounds, ``step_share`` too, and each cell's ``speed_vs_peer``: the median of the rounds' own
 ratios of ``gen_tok_s`` to llama-server's; ``spread``: the lowest, highest and interquartile range
 over the rounds of ``gen_tok_s``, ``cpu_ms_per_token`` and the ratio; one-model cells run 4 rounds
 by default, issue 44), and ``targets`` (issue 36: the decode server >= 0.9x
@@ -240,14 +242,19 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
-def draft_counts(urls) -> tuple[float, float]:
-    """Guessed and accepted tokens our decode servers ``urls`` have verified so far (``/metrics``)."""
-    drafted = accepted = 0.0
+DECODE_COUNTERS = {"draft_tokens": "disagg_draft_tokens_total", "accepted_tokens": "disagg_accepted_tokens_total",
+                   "step_s": "disagg_step_seconds_sum", "between_steps_s": "disagg_between_steps_seconds_total"}
+
+
+def decode_counters(urls) -> dict:
+    """What our decode servers ``urls`` have counted so far (``/metrics``, summed over them): guesses verified
+    and kept, seconds in model steps and the owner threads' seconds between two steps (``DECODE_COUNTERS``)."""
+    out = dict.fromkeys(DECODE_COUNTERS, 0.0)
     for url in urls:
         scrape = parse_metrics(requests.get(f"{url}/metrics", timeout=10).text)
-        drafted += total(scrape, "disagg_draft_tokens_total")
-        accepted += total(scrape, "disagg_accepted_tokens_total")
-    return drafted, accepted
+        for key, name in DECODE_COUNTERS.items():
+            out[key] += total(scrape, name)
+    return out
 
 
 SPECULATION_KEYS = ("proposer", "step_cost_s", "step_cost_measures")  # of /health's, the ones a run records
@@ -312,7 +319,7 @@ def run_cell(endpoint: Endpoint, workload: Workload, concurrency: int, models: l
                                    f"{type(exc).__name__}: {exc}"[:300]))
 
     pools = {m: ThreadPoolExecutor(concurrency) for m in models}
-    drafts_before = draft_counts(endpoint.drafts_from)
+    counted_before = decode_counters(endpoint.drafts_from)
     cpu_before = cpu_seconds(endpoint.pids)
     started = time.perf_counter()
     futures = [pools[m].submit(one, m, i) for i in range(per_model) for m in models]
@@ -320,7 +327,7 @@ def run_cell(endpoint: Endpoint, workload: Workload, concurrency: int, models: l
         f.result()
     wall = time.perf_counter() - started
     cpu = cpu_seconds(endpoint.pids) - cpu_before
-    drafted, accepted = (after - before for after, before in zip(draft_counts(endpoint.drafts_from), drafts_before))
+    counted = {k: v - counted_before[k] for k, v in decode_counters(endpoint.drafts_from).items()}
     for pool in pools.values():
         pool.shutdown()
     done = [r for rs in results.values() for r in rs]
@@ -335,8 +342,14 @@ def run_cell(endpoint: Endpoint, workload: Workload, concurrency: int, models: l
            # the endpoint's processes' CPU time (spinning threads included) per completion token
            "server_cpu_s": round(cpu, 2), "cpu_ms_per_token": round(cpu / tokens * 1000, 3) if tokens else None,
            # speculation in our decode servers during the cell (None for the peer): guesses verified, kept
-           "draft_tokens": int(drafted) if endpoint.drafts_from else None,
-           "accepted_tokens": int(accepted) if endpoint.drafts_from else None,
+           "draft_tokens": int(counted["draft_tokens"]) if endpoint.drafts_from else None,
+           "accepted_tokens": int(counted["accepted_tokens"]) if endpoint.drafts_from else None,
+           # our decode servers' owner threads while they stepped: seconds in model steps, seconds between two
+           # steps (sampling, detokenizing, speculation, hand-offs), and the steps' share of the two
+           "step_s": round(counted["step_s"], 3) if endpoint.drafts_from else None,
+           "between_steps_s": round(counted["between_steps_s"], 3) if endpoint.drafts_from else None,
+           "step_share": (round(counted["step_s"] / (counted["step_s"] + counted["between_steps_s"]), 4)
+                          if endpoint.drafts_from and counted["step_s"] > 0 else None),
            "per_model": {m: {"requests": len(rs), "completion_tokens": sum(r[0].completion_tokens for r in rs),
                              "mean_prompt_tokens": round(statistics.mean(r[0].prompt_tokens for r in whole[m]), 1)
                              if whole[m] else None,
@@ -483,6 +496,7 @@ def summarise(rows: list[dict]) -> list[dict]:
                           "cpu_ms_per_token": _median(r["cpu_ms_per_token"] for r in runs),
                           "draft_tokens": _median(r.get("draft_tokens") for r in runs),
                           "accepted_tokens": _median(r.get("accepted_tokens") for r in runs),
+                          "step_share": _median(r.get("step_share") for r in runs),
                           "speed_vs_peer": _median(ratios) if endpoint != PEER else None,
                           "spread": {"gen_tok_s": _spread(r["gen_tok_s"] for r in runs),
                                      "cpu_ms_per_token": _spread(r["cpu_ms_per_token"] for r in runs),

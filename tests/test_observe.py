@@ -143,6 +143,20 @@ def test_a_restarted_server_s_counters_count_from_zero():
     assert figures.server_model_figures(after, before)["qwen"]["completion_tokens"] == 20
 
 
+def test_the_owners_steps_and_the_time_between_them_are_exported():
+    """An operator reads the model's share of the owner's time: step seconds over steps plus what lies between."""
+    metrics, o = ServerMetrics("decode", name="d", model="qwen"), owner(busy=2)
+    metrics.watch_owner(o)
+    o.on_step(2, 2, 0.020, None)  # the first step after the owner had nothing to step
+    o.on_step(2, 2, 0.022, 0.001)
+    o.on_step(3, 30, 0.150, 0.002)
+    got = scrape.parse_metrics(metrics.render().decode())
+    assert scrape.total(got, "disagg_step_seconds_count") == 3
+    assert scrape.total(got, "disagg_step_seconds_sum") == pytest.approx(0.192)
+    assert scrape.total(got, "disagg_between_steps_seconds_total") == pytest.approx(0.003)
+    assert scrape.total(got, "disagg_batch_tokens_sum") == 34
+
+
 def test_the_sampler_keeps_whole_sweeps_as_baselines_and_thins_the_rest(bytes_server):
     """Read over HTTP from the session's stand-in server, which answers as a decode server would."""
     metrics = ServerMetrics("decode", name="d", model="qwen")

@@ -259,6 +259,70 @@ def test_a_parked_request_lets_the_others_step_and_goes_on_once_woken():
     assert owner.slot_stats()["busy"] == 0
 
 
+class TimedFake(BatchedFake):
+    """Each step takes ``step_s``; each request's token loop works ``work_s`` between its steps."""
+
+    def __init__(self, step_s=0.02, work_s=0.01):
+        super().__init__()
+        self.step_s, self.work_s = step_s, work_s
+
+    def evaluate(self, evals, waiting=0):
+        time.sleep(self.step_s)
+        return super().evaluate(evals, waiting)
+
+    def count(self, n, cancelled):
+        for event in super().count(n, cancelled):
+            if not hasattr(event, "tokens"):
+                time.sleep(self.work_s)  # sampling and the rest, on the owner thread between two steps
+            yield event
+
+    def set_threads(self, threads, shared=False):
+        pass
+
+
+def test_each_step_reports_its_seconds_and_the_owners_seconds_since_the_last():
+    backend, seen = TimedFake(step_s=0.02, work_s=0.01), []
+    owner = ready_owner(backend)
+    owner.on_step = lambda sequences, tokens, seconds, between: seen.append((seconds, between))
+    assert len(list(owner.stream(lambda b, cancelled: b.count(5, cancelled)))) == 6
+    assert len(seen) == 5
+    assert seen[0][1] is None  # the first step after the owner had nothing to step
+    assert all(seconds >= 0.02 for seconds, _ in seen)
+    assert all(between >= 0.01 for _, between in seen[1:])
+    time.sleep(0.2)  # idle between two requests: not time between steps
+    assert len(list(owner.stream(lambda b, cancelled: b.count(2, cancelled)))) == 3
+    assert seen[5][1] is None and seen[6][1] >= 0.01
+
+
+def test_a_wait_for_the_cores_share_is_not_time_between_steps():
+    class SlowCores:  # another server's step holds more than its share: this one waits before each of its own
+        def threads(self):
+            time.sleep(0.2)
+            return 2
+
+        def sharing(self):
+            return False
+
+        def stepped(self, threads, wall, cpu):
+            pass
+
+        def idle(self):
+            pass
+
+        def busy_peers(self):
+            return False
+
+        def close(self):
+            pass
+
+    backend, seen = TimedFake(step_s=0.01, work_s=0.0), []
+    owner = ready_owner(backend, cores=SlowCores())
+    owner.on_step = lambda sequences, tokens, seconds, between: seen.append(between)
+    assert len(list(owner.stream(lambda b, cancelled: b.count(4, cancelled)))) == 5
+    assert len(seen) == 4 and seen[0] is None
+    assert all(between < 0.15 for between in seen[1:])  # each step came 0.2 s after the last: all of it waiting
+
+
 def test_a_parked_request_that_is_cancelled_frees_its_slot():
     from disaggregated_inference.backends.base import Wait
 

@@ -142,9 +142,20 @@ class ServerMetrics:
         sequences = Histogram("disagg_batch_sequences", "Requests advanced per model step",
                               buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r)
 
-        def on_step(n_sequences: int, n_tokens: int) -> None:
+        step = Histogram("disagg_step_seconds", "Seconds per model step (one evaluation of the batch: llama_decode "
+                         "and the batch it is built from)", buckets=(0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1,
+                                                                     2, 5), registry=r)
+        between = Counter("disagg_between_steps_seconds", "Seconds the model's owner thread spent between two steps "
+                          "while requests went on stepping: sampling, detokenizing, speculation, handing tokens to "
+                          "the HTTP threads (a wait for this server's share of shared cores not counted)",
+                          registry=r)
+
+        def on_step(n_sequences: int, n_tokens: int, seconds: float, gap: float | None) -> None:
             batch.observe(n_tokens)
             sequences.observe(n_sequences)
+            step.observe(seconds)
+            if gap is not None:
+                between.inc(max(gap, 0.0))
         owner.on_step = on_step
 
     def watch_receive_buffers(self, pool) -> None:

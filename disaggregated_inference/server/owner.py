@@ -161,7 +161,9 @@ class ModelOwner:
         self.active = 0  # requests the model is working on now
         self.steps = 0
         self.batch_tokens = deque(maxlen=256)  # tokens per llama_decode of the latest steps
-        self.on_step: Callable[[int, int], None] = lambda sequences, tokens: None
+        # each step: requests advanced, tokens evaluated, its seconds, and the owner's seconds since the last step
+        # (None: the first since it had nothing to step), a wait for the cores' share not counted (``_serve_batched``)
+        self.on_step: Callable[[int, int, float, float | None], None] = lambda sequences, tokens, seconds, between: None
         # what the batched loop has for the HTTP threads, handed over as the next step starts (``_deliver``)
         self._outbox: list[tuple[queue.SimpleQueue, tuple]] = []
         self._thread = threading.Thread(target=self._run, name="model-owner", daemon=True)
@@ -313,9 +315,11 @@ class ModelOwner:
         active: list[_Task] = []
         calibrations = iter(CALIBRATE_AFTER_IDLE)
         calibrate_after = next(calibrations)  # None once the backend wants no more (BatchedBackend.calibrate)
+        stepped_at = None  # when the last step ended, while requests have gone on stepping since
         while True:
             stepping = any(_is_eval(t.pending) for t in active)
             if not stepping:  # nothing to compute (parked requests wait on the network)
+                stepped_at = None
                 self._deliver()
                 if self.cores is not None:
                     self.cores.idle()
@@ -352,11 +356,16 @@ class ModelOwner:
             if not pending:
                 continue
             before = [t.pending.done for t in pending]
+            held = 0.0  # waiting for this server's share of the cores: not the owner's own time between steps
             if self.cores is not None:
+                held = time.perf_counter()
                 self._take_cores()
+                held = time.perf_counter() - held
             self._deliver()
             if self.cores is not None:
-                wall, cpu = time.perf_counter(), time.thread_time()
+                cpu = time.thread_time()
+            started = time.perf_counter()
+            between = None if stepped_at is None else started - stepped_at - held
             try:
                 n = self.backend.evaluate([t.pending for t in pending], waiting=self._waiting)
             except Exception as exc:
@@ -364,11 +373,12 @@ class ModelOwner:
                 for task in pending:
                     self._finish(task, active, ("error", exc))
                 continue
+            stepped_at = time.perf_counter()
             if self.cores is not None:
-                self.cores.stepped(self.compute_threads, time.perf_counter() - wall, time.thread_time() - cpu)
+                self.cores.stepped(self.compute_threads, stepped_at - started, time.thread_time() - cpu)
             self.steps += 1
             self.batch_tokens.append(n)
-            self.on_step(len(pending), n)
+            self.on_step(len(pending), n, stepped_at - started, between)
             for task, done in zip(pending, before):
                 if task.job.progress is not None:
                     task.job.progress.evaluated += task.pending.done - done
