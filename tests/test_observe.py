@@ -223,5 +223,5 @@ def test_the_grafana_dashboard_is_well_formed():
     titles = " | ".join(p["title"] for p in panels)
     for wanted in ("Prefill time", "Decode speed", "Time to first token", "Decode tokens/s, combined",
                    "Slots busy and queue depth", "How requests were served", "Canary", "Prefix cache",
-                   "KV link throughput against capacity"):
+                   "KV link throughput against capacity", "Owner's time in model steps"):
         assert wanted in titles
