@@ -223,7 +223,7 @@ class Endpoint:
     ask: Callable
     urls: dict  # model name -> base URL
     pids: list  # the processes that serve it (their CPU time is the endpoint's)
-    drafts_from: list = ()  # our decode servers' URLs: their speculation counters, read around each cell
+    counted_from: list = ()  # our decode servers' URLs: their DECODE_COUNTERS, read around each cell
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -319,7 +319,7 @@ def run_cell(endpoint: Endpoint, workload: Workload, concurrency: int, models: l
                                    f"{type(exc).__name__}: {exc}"[:300]))
 
     pools = {m: ThreadPoolExecutor(concurrency) for m in models}
-    counted_before = decode_counters(endpoint.drafts_from)
+    counted_before = decode_counters(endpoint.counted_from)
     cpu_before = cpu_seconds(endpoint.pids)
     started = time.perf_counter()
     futures = [pools[m].submit(one, m, i) for i in range(per_model) for m in models]
@@ -327,7 +327,7 @@ def run_cell(endpoint: Endpoint, workload: Workload, concurrency: int, models: l
         f.result()
     wall = time.perf_counter() - started
     cpu = cpu_seconds(endpoint.pids) - cpu_before
-    counted = {k: v - counted_before[k] for k, v in decode_counters(endpoint.drafts_from).items()}
+    counted = {k: v - counted_before[k] for k, v in decode_counters(endpoint.counted_from).items()}
     for pool in pools.values():
         pool.shutdown()
     done = [r for rs in results.values() for r in rs]
@@ -342,14 +342,14 @@ def run_cell(endpoint: Endpoint, workload: Workload, concurrency: int, models: l
            # the endpoint's processes' CPU time (spinning threads included) per completion token
            "server_cpu_s": round(cpu, 2), "cpu_ms_per_token": round(cpu / tokens * 1000, 3) if tokens else None,
            # speculation in our decode servers during the cell (None for the peer): guesses verified, kept
-           "draft_tokens": int(counted["draft_tokens"]) if endpoint.drafts_from else None,
-           "accepted_tokens": int(counted["accepted_tokens"]) if endpoint.drafts_from else None,
+           "draft_tokens": int(counted["draft_tokens"]) if endpoint.counted_from else None,
+           "accepted_tokens": int(counted["accepted_tokens"]) if endpoint.counted_from else None,
            # our decode servers' owner threads while they stepped: seconds in model steps, seconds between two
            # steps (sampling, detokenizing, speculation, hand-offs), and the steps' share of the two
-           "step_s": round(counted["step_s"], 3) if endpoint.drafts_from else None,
-           "between_steps_s": round(counted["between_steps_s"], 3) if endpoint.drafts_from else None,
+           "step_s": round(counted["step_s"], 3) if endpoint.counted_from else None,
+           "between_steps_s": round(counted["between_steps_s"], 3) if endpoint.counted_from else None,
            "step_share": (round(counted["step_s"] / (counted["step_s"] + counted["between_steps_s"]), 4)
-                          if endpoint.drafts_from and counted["step_s"] > 0 else None),
+                          if endpoint.counted_from and counted["step_s"] > 0 else None),
            "per_model": {m: {"requests": len(rs), "completion_tokens": sum(r[0].completion_tokens for r in rs),
                              "mean_prompt_tokens": round(statistics.mean(r[0].prompt_tokens for r in whole[m]), 1)
                              if whole[m] else None,
