@@ -48,9 +48,11 @@ endpoint's processes' CPU milliseconds per token, ``draft_tokens`` and ``accepte
 guesses our decode servers verified and kept during the cell, from their ``/metrics``; null for the
 peer; ``step_s``, ``between_steps_s`` and ``step_share``: the seconds our decode servers' owner threads
 spent in model steps and between two steps while requests went on stepping, and the steps' share of the
-two; and per model the mean and the slowest request's seconds),
-``cells`` (medians over rounds, ``step_share`` too, and each cell's ``speed_vs_peer``: the median of the rounds' own
-ratios of ``gen_tok_s`` to llama-server's; ``spread``: the lowest, highest and interquartile range
+two; ``steps``: our decode servers' owner steps, or llama-server's ``llama_decode`` calls (its
+``--metrics``), and ``ms_per_step``: the cell's wall time per step, in which llama-server's steps stand
+beside ours; and per model the mean and the slowest request's seconds),
+``cells`` (medians over rounds, ``step_share``, ``steps`` and ``ms_per_step`` too, and each cell's
+``speed_vs_peer``: the median of the rounds' own ratios of ``gen_tok_s`` to llama-server's; ``spread``: the lowest, highest and interquartile range
 over the rounds of ``gen_tok_s``, ``cpu_ms_per_token`` and the ratio; one-model cells run 4 rounds
 by default, issue 44), and ``targets`` (issue 36: the decode server >= 0.9x
 of llama-server in the four one-model cells; both models busy, decode-bound 8 at once, >= 109 tok/s
@@ -224,6 +226,7 @@ class Endpoint:
     urls: dict  # model name -> base URL
     pids: list  # the processes that serve it (their CPU time is the endpoint's)
     counted_from: list = ()  # our decode servers' URLs: their DECODE_COUNTERS, read around each cell
+    peer_from: list = ()  # llama-servers' URLs: their PEER_STEPS, read around each cell
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -243,7 +246,9 @@ def cpu_seconds(pids: list[int]) -> float:
 
 
 DECODE_COUNTERS = {"draft_tokens": "disagg_draft_tokens_total", "accepted_tokens": "disagg_accepted_tokens_total",
-                   "step_s": "disagg_step_seconds_sum", "between_steps_s": "disagg_between_steps_seconds_total"}
+                   "step_s": "disagg_step_seconds_sum", "between_steps_s": "disagg_between_steps_seconds_total",
+                   "steps": "disagg_step_seconds_count"}
+PEER_STEPS = "llamacpp:n_decode_total"  # llama-server's ``llama_decode`` calls (its /metrics, ``--metrics``)
 
 
 def decode_counters(urls) -> dict:
@@ -255,6 +260,17 @@ def decode_counters(urls) -> dict:
         for key, name in DECODE_COUNTERS.items():
             out[key] += total(scrape, name)
     return out
+
+
+def peer_steps(urls) -> float:
+    """The ``llama_decode`` calls llama-servers ``urls`` have made so far (``PEER_STEPS``, summed over them)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    steps = 0.0
+    for url in urls:
+        for family in text_string_to_metric_families(requests.get(f"{url}/metrics", timeout=10).text):
+            steps += sum(s.value for s in family.samples if s.name == PEER_STEPS)
+    return steps
 
 
 SPECULATION_KEYS = ("proposer", "step_cost_s", "step_cost_measures")  # of /health's, the ones a run records
@@ -320,6 +336,7 @@ def run_cell(endpoint: Endpoint, workload: Workload, concurrency: int, models: l
 
     pools = {m: ThreadPoolExecutor(concurrency) for m in models}
     counted_before = decode_counters(endpoint.counted_from)
+    peer_before = peer_steps(endpoint.peer_from)
     cpu_before = cpu_seconds(endpoint.pids)
     started = time.perf_counter()
     futures = [pools[m].submit(one, m, i) for i in range(per_model) for m in models]
@@ -328,6 +345,8 @@ def run_cell(endpoint: Endpoint, workload: Workload, concurrency: int, models: l
     wall = time.perf_counter() - started
     cpu = cpu_seconds(endpoint.pids) - cpu_before
     counted = {k: v - counted_before[k] for k, v in decode_counters(endpoint.counted_from).items()}
+    steps = (int(counted["steps"]) if endpoint.counted_from
+             else int(peer_steps(endpoint.peer_from) - peer_before) if endpoint.peer_from else None)
     for pool in pools.values():
         pool.shutdown()
     done = [r for rs in results.values() for r in rs]
@@ -350,6 +369,9 @@ def run_cell(endpoint: Endpoint, workload: Workload, concurrency: int, models: l
            "between_steps_s": round(counted["between_steps_s"], 3) if endpoint.counted_from else None,
            "step_share": (round(counted["step_s"] / (counted["step_s"] + counted["between_steps_s"]), 4)
                           if endpoint.counted_from and counted["step_s"] > 0 else None),
+           # model steps during the cell: our decode servers' owner steps (one llama_decode each, but for
+           # deterministic steps), llama-server's llama_decode calls; and the cell's wall time per step
+           "steps": steps, "ms_per_step": round(wall / steps * 1000, 3) if steps else None,
            "per_model": {m: {"requests": len(rs), "completion_tokens": sum(r[0].completion_tokens for r in rs),
                              "mean_prompt_tokens": round(statistics.mean(r[0].prompt_tokens for r in whole[m]), 1)
                              if whole[m] else None,
@@ -405,7 +427,7 @@ class PeerServer:
         self.command = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port),
                         "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(n_ctx * slots),
                         "--no-kv-unified", "-b", "512", "-ub", "512", "-fa", "on" if flash_attn else "off",
-                        "--no-webui", *extra]
+                        "--no-webui", "--metrics", *extra]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                          env={**os.environ, **(env or {})})
@@ -497,6 +519,8 @@ def summarise(rows: list[dict]) -> list[dict]:
                           "draft_tokens": _median(r.get("draft_tokens") for r in runs),
                           "accepted_tokens": _median(r.get("accepted_tokens") for r in runs),
                           "step_share": _median(r.get("step_share") for r in runs),
+                          "steps": _median(r.get("steps") for r in runs),
+                          "ms_per_step": _median(r.get("ms_per_step") for r in runs),
                           "speed_vs_peer": _median(ratios) if endpoint != PEER else None,
                           "spread": {"gen_tok_s": _spread(r["gen_tok_s"] for r in runs),
                                      "cpu_ms_per_token": _spread(r["cpu_ms_per_token"] for r in runs),
@@ -630,7 +654,7 @@ def main(argv=None) -> int:
                                   list(decode.values()))]
             if peers:
                 endpoints.insert(0, Endpoint(PEER, ask_llama_server, {m: p.url for m, p in zip(model_names, peers)},
-                                             [p.proc.pid for p in peers]))
+                                             [p.proc.pid for p in peers], peer_from=[p.url for p in peers]))
             endpoints = [e for e in endpoints if e.name in args.endpoints]
             policy = {p.entry.name: {"openmp_wait": p.settings.openmp_wait, "shares_cores": bool(p.settings.core_group)}
                       for p in cluster.processes}
