@@ -18,8 +18,8 @@ Three endpoints serve the same GGUFs with the same threads and slots (the embedd
 per server, flash attention as the config has it):
 
 - ``llama-server``: one per model (``-t``/``-tb`` threads, ``-np`` slots, ``-c`` = n_ctx x slots,
-  a KV stream per slot as ours, ``POST /completion``), started with this process's environment, as a
-  user would run it;
+  a KV stream per slot as ours, ``--metrics`` for its step count, ``POST /completion``), started with this
+  process's environment, as a user would run it;
 - ``decode-server``: ``POST /generate`` on the embedded cluster's decode servers (the prompt is
   evaluated there, as llama-server does), the cluster running all four servers and the gateway;
 - ``gateway``: ``POST /v1/completions`` on the gateway: prefill server, KV handoff, decode server.
@@ -52,9 +52,9 @@ two; ``steps``: our decode servers' owner steps, or llama-server's ``llama_decod
 ``--metrics``), and ``ms_per_step``: the cell's wall time per step, in which llama-server's steps stand
 beside ours; and per model the mean and the slowest request's seconds),
 ``cells`` (medians over rounds, ``step_share``, ``steps`` and ``ms_per_step`` too, and each cell's
-``speed_vs_peer``: the median of the rounds' own ratios of ``gen_tok_s`` to llama-server's; ``spread``: the lowest, highest and interquartile range
-over the rounds of ``gen_tok_s``, ``cpu_ms_per_token`` and the ratio; one-model cells run 4 rounds
-by default, issue 44), and ``targets`` (issue 36: the decode server >= 0.9x
+``speed_vs_peer``: the median of the rounds' own ratios of ``gen_tok_s`` to llama-server's; ``spread``:
+the lowest, highest and interquartile range over the rounds of ``gen_tok_s``, ``cpu_ms_per_token`` and
+the ratio; one-model cells run 4 rounds by default, issue 44), and ``targets`` (issue 36: the decode server >= 0.9x
 of llama-server in the four one-model cells; both models busy, decode-bound 8 at once, >= 109 tok/s
 combined and >= 0.9x of two llama-servers); ``servers``: each of our servers' wait policy and,
 from its /health at the end, its core share (``contended_holds``: how often other programs' load
