@@ -251,26 +251,26 @@ DECODE_COUNTERS = {"draft_tokens": "disagg_draft_tokens_total", "accepted_tokens
 PEER_STEPS = "llamacpp:n_decode_total"  # llama-server's ``llama_decode`` calls (its /metrics, ``--metrics``)
 
 
-def decode_counters(urls) -> dict:
-    """What our decode servers ``urls`` have counted so far (``/metrics``, summed over them): guesses verified
-    and kept, seconds in model steps and the owner threads' seconds between two steps (``DECODE_COUNTERS``)."""
-    out = dict.fromkeys(DECODE_COUNTERS, 0.0)
+def scraped_counters(urls, counters: dict, prefix: str = "disagg_") -> dict:
+    """``{key: sample name}`` ``counters`` as servers ``urls`` have counted them so far (``/metrics``, summed over
+    the servers and their labels)."""
+    out = dict.fromkeys(counters, 0.0)
     for url in urls:
-        scrape = parse_metrics(requests.get(f"{url}/metrics", timeout=10).text)
-        for key, name in DECODE_COUNTERS.items():
+        scrape = parse_metrics(requests.get(f"{url}/metrics", timeout=10).text, prefix)
+        for key, name in counters.items():
             out[key] += total(scrape, name)
     return out
 
 
+def decode_counters(urls) -> dict:
+    """What our decode servers ``urls`` have counted so far: guesses verified and kept, model steps, their seconds
+    and the owner threads' seconds between two steps (``DECODE_COUNTERS``)."""
+    return scraped_counters(urls, DECODE_COUNTERS)
+
+
 def peer_steps(urls) -> float:
     """The ``llama_decode`` calls llama-servers ``urls`` have made so far (``PEER_STEPS``, summed over them)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    steps = 0.0
-    for url in urls:
-        for family in text_string_to_metric_families(requests.get(f"{url}/metrics", timeout=10).text):
-            steps += sum(s.value for s in family.samples if s.name == PEER_STEPS)
-    return steps
+    return scraped_counters(urls, {"steps": PEER_STEPS}, prefix="llamacpp:")["steps"]
 
 
 SPECULATION_KEYS = ("proposer", "step_cost_s", "step_cost_measures")  # of /health's, the ones a run records

@@ -14,12 +14,13 @@ from prometheus_client.parser import text_string_to_metric_families
 Scrape = dict
 
 
-def parse_metrics(text: str) -> Scrape:
-    """The ``disagg_*`` samples of a Prometheus text exposition."""
+def parse_metrics(text: str, prefix: str = "disagg_") -> Scrape:
+    """The samples of a Prometheus text exposition whose names start with ``prefix`` (ours: ``disagg_*``;
+    llama-server's are ``llamacpp:*``)."""
     out: Scrape = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name.startswith("disagg_"):
+            if sample.name.startswith(prefix):
                 out[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
     return out
 
