@@ -112,6 +112,25 @@ def test_schedule_takes_the_kinds_in_turn_after_the_warm_up_and_ends_before_the_
     assert soak.schedule(soak.SoakOptions(config=None, faults=())) == []
 
 
+def test_a_process_killed_between_poll_and_read_is_sampled_as_gone():
+    """A fault may kill a server just after the sampler saw it alive: its zombie still has a /proc entry, with
+    zero memory, and must read as no process rather than as one using nothing."""
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        read = soak._group_resources(alive.pid)
+        assert read["rss_bytes"] > 0 and read["threads"] >= 1 and read["open_files"] >= 0
+        alive.kill()
+        for _ in range(100):  # not reaped: the kernel keeps a zombie
+            if soak.psutil.Process(alive.pid).status() == soak.psutil.STATUS_ZOMBIE:
+                break
+            threading.Event().wait(0.02)
+        assert soak._group_resources(alive.pid) == {}
+    finally:
+        alive.kill()
+        alive.wait()
+    assert soak._group_resources(alive.pid) == {}
+
+
 def test_bad_options_are_named_before_anything_starts():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--faults", "kill_prefill,explode"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)

@@ -212,7 +212,9 @@ class ResourceSampler(Periodic):
             row = {"t": now, "server": proc.entry.name, "role": proc.entry.role, "requests_done": done,
                    "pid": None, "rss_bytes": None, "open_files": None, "threads": None, "leases": None}
             if proc.proc is not None and proc.proc.poll() is None:
-                row.update(pid=proc.proc.pid, **_group_resources(proc.proc.pid))
+                read = _group_resources(proc.proc.pid)
+                if read:  # a process that dies between the poll and the read is sampled as gone
+                    row.update(pid=proc.proc.pid, **read)
             if proc.entry.role == "prefill":
                 try:
                     row["leases"] = int(self.session.get(proc.url + "/health", timeout=1).json()["leases"]["held"])
@@ -226,6 +228,8 @@ class ResourceSampler(Periodic):
 
 
 def _group_resources(pid: int) -> dict:
+    """The group's summed figures, or ``{}`` when its top process cannot be read (exited, or a zombie not yet
+    reaped: a fault may kill it at any moment); a child that exits mid-read is left out of the sums."""
     out = {"rss_bytes": 0, "open_files": 0, "threads": 0}
     try:
         top = psutil.Process(pid)
@@ -235,11 +239,15 @@ def _group_resources(pid: int) -> dict:
     for p in procs:
         try:
             with p.oneshot():
-                out["rss_bytes"] += p.memory_info().rss
-                out["open_files"] += p.num_fds()
-                out["threads"] += p.num_threads()
+                if p.status() == psutil.STATUS_ZOMBIE:  # /proc still answers, with zeros
+                    raise psutil.ZombieProcess(p.pid)
+                read = (p.memory_info().rss, p.num_fds(), p.num_threads())
         except psutil.Error:
+            if p is top:
+                return {}
             continue
+        for key, value in zip(("rss_bytes", "open_files", "threads"), read):
+            out[key] += value
     return out
 
 
