@@ -157,6 +157,33 @@ def test_the_owners_steps_and_the_time_between_them_are_exported():
     assert scrape.total(got, "disagg_batch_tokens_sum") == 34
 
 
+def test_the_step_histograms_read_as_prometheus_client_s_own_would():
+    """The owner's step figures are kept in plain lists (``StepCollector``); a scrape must not tell them from
+    prometheus_client's histograms fed the same values, bucket bounds included (a value on a bound is in it)."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from disaggregated_inference.server.metrics import StepCollector
+
+    steps, reference = StepCollector(), CollectorRegistry()
+    hists = [Histogram(name, doc, buckets=bounds, registry=reference) for name, doc, bounds in steps.FAMILIES]
+    between = Counter(*steps.BETWEEN, registry=reference)
+    for n_seq, n_tok, seconds, gap in [(1, 1, 0.002, None), (4, 4, 0.0231, 0.0004), (2, 512, 0.9, 0.001),
+                                       (64, 2048, 5.0, 0.0), (80, 4000, 7.5, 0.25), (3, 3, 0.02, None)]:
+        steps.on_step(n_seq, n_tok, seconds, gap)
+        for hist, value in zip(hists, (n_tok, n_seq, seconds)):
+            hist.observe(value)
+        if gap is not None:
+            between.inc(gap)
+    ours = CollectorRegistry()
+    ours.register(steps)
+
+    def samples(registry):
+        return sorted(line for line in generate_latest(registry).decode().splitlines()
+                      if line and not line.startswith("#") and "_created" not in line)
+    assert samples(ours) == samples(reference)
+    assert any(line.startswith('disagg_step_seconds_bucket{le="0.002"} 1.0') for line in samples(ours))
+
+
 def test_the_sampler_keeps_whole_sweeps_as_baselines_and_thins_the_rest(bytes_server):
     """Read over HTTP from the session's stand-in server, which answers as a decode server would."""
     metrics = ServerMetrics("decode", name="d", model="qwen")

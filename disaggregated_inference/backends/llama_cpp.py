@@ -20,6 +20,7 @@ The engine is one class, ``LlamaCppBackend``, written in four modules by concept
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from .gguf import resolve_gguf
 from .gguf_vocab import chat_format_of, longest_token_bytes
 from .llama_handoff import StateHandoff
 from .llama_loop import TokenLoop
-from .llama_slots import Slots
+from .llama_slots import Slots, batch_rows
 from .options import option
 from .speculate import PROPOSERS, DraftRecord, StepCost
 
@@ -89,6 +90,7 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
     def __init__(self, settings):
         super().__init__(settings)
         self.model = self.ctx = self._batch = None
+        self._batch_rows = None  # the batch's arrays, read once (llama_slots.batch_rows)
         self.model_path = None
         self._fingerprint: dict = {}
         self.chat = None  # the model's chat format (chat/): None when it has no template and no format of its own
@@ -114,6 +116,8 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
         self._verify_exact = True  # deterministic: a verify step's rows compute as one-token steps (llama_slots)
         self._paired = False  # deterministic: every generating sequence evaluates two rows or more a step (llama_slots)
         self._batches = 0  # llama_decode calls: a row's logits are valid until the next one
+        self._row_type = None  # ctypes float[n_vocab]: a row of logits, viewed in place (Slots._row_logits)
+        self._token_texts: dict[tuple[int, bool], bytes] = {}  # (token, special) -> its text (TokenLoop._token_text)
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -162,6 +166,8 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
         cp.type_k, cp.type_v = KV_TYPES[s.type_k], KV_TYPES[s.type_v]
         self.ctx = _internals.LlamaContext(model=self.model, params=cp, verbose=False)
         self._batch = llama_cpp.llama_batch_init(self._batch_capacity, 0, 1)
+        self._batch_rows = batch_rows(self._batch, self._batch_capacity)
+        self._row_type = ctypes.c_float * self.model.n_vocab()
         self._free = list(range(self.slots - 1, -1, -1))
         self._cached = {}
         self._longest_token = longest_token_bytes(self.model.vocab, self.model.n_vocab())
@@ -249,7 +255,7 @@ class LlamaCppBackend(Slots, StateHandoff, TokenLoop, BatchedBackend):
 
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
-            self._batch = None
+            self._batch = self._batch_rows = None
         for obj in (self.ctx, self.model):
             if obj is not None:
                 obj.close()

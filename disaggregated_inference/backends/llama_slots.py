@@ -18,6 +18,8 @@ llama.cpp's server does with ``cache_prompt``. See ``_acquire``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import logging
 import os
 import statistics
@@ -50,6 +52,24 @@ MEASURE_SECONDS = 2.0
 MEASURES_OFF_CPU = 4
 
 log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _logits_address():
+    """``llama_get_logits_ith`` giving the row's address as an int (None for a row without logits): a prototype
+    of its own, as the binding's function returns a float pointer and is shared with llama-cpp-python."""
+    from llama_cpp import llama_cpp as binding
+
+    return ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)(("llama_get_logits_ith", binding._lib))
+
+
+def batch_rows(batch, capacity: int) -> tuple:
+    """A ``llama_batch``'s per-row arrays, read once (``tokens``, ``positions``, each row's ``seq_id`` array,
+    ``logits``), with every row's sequence count set to 1 for good: a step fills only what changes, without a
+    ctypes pointer object made for every field of every row (``Slots._decode``)."""
+    for i in range(capacity):
+        batch.n_seq_id[i] = 1
+    return batch.token, batch.pos, [batch.seq_id[i] for i in range(capacity)], batch.logits
 
 
 class Slots:
@@ -425,22 +445,22 @@ class Slots:
         import llama_cpp
 
         b, n = self._batch, 0
+        tokens, positions, seq_ids, logits = self._batch_rows
         placed = []
         every = pads is not None
         rows = [(ev.seq, ev, take) for ev, take in chosen] + [(seq, (pos, token), 0) for seq, pos, token in pads or ()]
         for seq, ev, take in sorted(rows, key=lambda r: r[0]):
             if not take:  # padding
                 pos, token = ev
-                b.token[n], b.pos[n], b.n_seq_id[n], b.logits[n] = token, pos, 1, pad_logits
-                b.seq_id[n][0] = seq
+                tokens[n], positions[n], logits[n] = token, pos, pad_logits
+                seq_ids[n][0] = seq
                 n += 1
                 continue
             for i in range(ev.done, ev.done + take):
-                b.token[n] = ev.tokens[i]
-                b.pos[n] = ev.pos + i
-                b.n_seq_id[n] = 1
-                b.seq_id[n][0] = ev.seq
-                b.logits[n] = every or (ev.logits and (i == len(ev.tokens) - 1 or ev.draft_acceptance is not None))
+                tokens[n] = ev.tokens[i]
+                positions[n] = ev.pos + i
+                seq_ids[n][0] = seq
+                logits[n] = every or (ev.logits and (i == len(ev.tokens) - 1 or ev.draft_acceptance is not None))
                 n += 1
             placed.append((ev, take, n - 1))
         b.n_tokens = n
@@ -454,12 +474,17 @@ class Slots:
                 ev.row = last
 
     def _row_logits(self, row: int):
-        """The next-token logits of batch row ``row`` of the last step (a view, valid until the next step)."""
-        import llama_cpp
+        """The next-token logits of batch row ``row`` of the last step (a view, valid until the next step).
+
+        Read through an address and a float array type made once: ``np.ctypeslib.as_array`` of the binding's
+        pointer took 9-18 us a row right after a step (the step's buffers had pushed its Python out of the
+        caches), about as long as the argmax over SmolLM2's 49,152 logits."""
         import numpy as np
 
-        ptr = llama_cpp.llama_get_logits_ith(self.ctx.ctx, row)
-        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab(),))
+        address = _logits_address()(self.ctx.ctx, row)
+        if not address:
+            raise RuntimeError(f"llama.cpp has no logits for row {row} of the last step")
+        return np.frombuffer(self._row_type.from_address(address), dtype=np.float32)
 
     def _evaluate_all_but_last(self, seq: int, tokens: list[int], start: int = 0):
         """Generator: evaluate ``tokens[start:-1]`` into ``seq`` (which holds ``tokens[:start]``)."""
