@@ -406,6 +406,60 @@ def test_speculative():
     assert out["all_greedy_equal"] == all(r["greedy_equal"] for r in rows if r["proposer"] == "ngram")
 
 
+def test_draft_steps():
+    out = run_quick("draft_steps.py")
+    assert out["quick"] is True and out["rounds"] == 1 and set(out["modes"]) == {"off", "ngram"}
+    for mode, m in out["modes"].items():
+        assert len(m["tok_s"]) == 1 and m["median_tok_s"] == statistics.median(m["tok_s"])
+        # every answer got exactly its max_tokens (end-of-generation ignored), each token from one step's row
+        assert m["tokens"] == out["at_once"] * out["tokens"]
+        assert m["ms_per_token"] == pytest.approx(m["step_s"] * 1000 / m["tokens"], abs=0.02)  # step_s: 3 decimals
+        short = m["short_steps"]
+        assert short["steps"] <= m["steps"] and short["seconds"] <= m["step_s"] and short["tokens"] <= m["tokens"]
+        assert 1 <= m["graph_changes"]
+        for row in m["layouts"]:
+            assert mode != "off" and len(row["layout"]) <= out["slots"] and max(row["layout"]) > 1
+            assert sum(row["ubatches"]) == sum(row["layout"])
+            assert row["steps"] >= 1 and row["tokens_per_step"] >= len(row["layout"])  # a token per sequence at least
+            assert row["predicted_tokens_per_step"] >= len(row["layout"])
+    assert out["modes"]["off"]["layouts"] == []
+
+
+def test_draft_steps_figures_from_the_steps_it_logged(monkeypatch):
+    """The tiny model drafts nothing at four slots in --quick, so its layouts are checked here on logged steps made
+    up for it: tokens emitted (each sampled row and the guesses kept), predictions, short steps and graph changes."""
+    from types import SimpleNamespace
+
+    from disaggregated_inference.backends.speculate import StepCost
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # draft_steps.py imports peer.py and quick.py
+    from benchmarks import draft_steps
+
+    cost = StepCost(per_ubatch=0.010, per_token=0.002, single=0.006)
+
+    def step(counts, seconds, kept=(), drafts=None, answers_only=True, sampled=None):
+        evs = [SimpleNamespace(kept_in_step=k) for k in (kept or [0] * len(counts))]
+        return {"mode": "ngram", "seconds": seconds, "counts": counts, "n_ubatch": 512, "cost": cost,
+                "drafts": [(ev, *d) for ev, d in zip(evs, drafts or [(0, None)] * len(counts))],
+                "sampled": evs[:sampled] if sampled is not None else evs, "answers_only": answers_only}
+
+    four = [(0, 2), (1, 2), (2, 2), (3, 2)]
+    steps = [step(four, 0.040, kept=[1, 1, 0, 1], drafts=[(1, 0.5)] * 4),  # a guess each, three kept
+             step(four, 0.040, drafts=[(1, 0.5)] * 4),                     # none kept
+             step([(0, 1), (1, 1), (2, 1), (3, 1)], 0.024),               # plain
+             step([(0, 1), (2, 1)], 0.020),                                # short, ids apart: two ubatches
+             step([(0, 1), (1, 25)], 0.100, answers_only=False, sampled=1)]  # a prompt beside a token
+    (row,) = draft_steps.layouts(steps)
+    assert row == {"layout": [2, 2, 2, 2], "ubatches": [8], "steps": 2, "seconds": 0.08, "ms_per_step": 40.0,
+                   "predicted_ms": 26.0, "tokens_per_step": 5.5, "predicted_tokens_per_step": 6.0,
+                   "ms_per_token": round(80 / 11, 2)}
+    assert draft_steps.summary(steps, slots=4) == {
+        "steps": 5, "step_s": 0.224, "tokens": 7 + 4 + 4 + 2 + 1, "ms_per_token": round(224 / 18, 3),
+        "short_steps": {"steps": 1, "seconds": 0.02, "tokens": 2},
+        # shapes: 2x4, 2x4 (reused), 1x4, 1, 1 (reused), 1x2, 24
+        "graph_changes": 5}
+
+
 @pytest.mark.slow
 def test_link():
     # on loopback: the emulated link needs root and network namespaces (tests/test_link_benchmark.py makes one)
