@@ -6,14 +6,15 @@ with wrong guesses where a test wants rejections: every path of the loop (accept
 guesses whose cells are removed, an end-of-generation token, a stop string and ``max_tokens``
 inside an accepted run, cancellation mid-verification, a batch of sequences verifying together)
 is taken on purpose, not left to what prompt lookup happens to find. The step cost is set so that
-every draft is verified whole (``cut_drafts`` is tested on its own). Through real servers:
+every draft is verified whole (``cut_drafts`` is tested on its own; beside an answer that does not draft, where
+it would cut them, a test turns it off). Through real servers:
 tests/test_speculation_e2e.py.
 """
 from __future__ import annotations
 
 import pytest
 
-from disaggregated_inference.backends import ModelSettings, create
+from disaggregated_inference.backends import ModelSettings, create, llama_slots
 from disaggregated_inference.backends.base import Eval, Prompt, Sampling
 from disaggregated_inference.backends.speculate import (GIVE_UP_AFTER, MATCH_PRIORS, Draft, DraftRecord, Proposer,
                                                         PromptLookup, StepCost, cut_drafts, expected_tokens, shares, split,
@@ -108,7 +109,33 @@ def test_cut_drafts_gives_every_sequence_of_a_step_a_guess_where_one_ubatch_of_t
     assert all(ev.tokens == [7] and ev.draft_acceptance is None for ev in weak)
     mixed = [Eval(s, [7, 1, 2, 3], 10, draft_acceptance=0.95) for s in range(3)] + [Eval(3, [5], 10)]
     cut_drafts(mixed, cost)
-    assert [len(ev.tokens) for ev in mixed] == [4, 4, 4, 1]
+    # three guesses in each of three would pay for the step, but the fourth answer's token would take 2.6 times as
+    # long: no answer is slowed (next test), so none drafts
+    assert [len(ev.tokens) for ev in mixed] == [1, 1, 1, 1]
+
+
+def test_cut_drafts_slows_no_answer_of_the_step():
+    """Beside others, a step's drafts may not slow any answer: each expects at least the tokens per unit of time it
+    gets without guesses (draining, its share of them). Else every draft is cut to the longest single length that
+    slows none, or to nothing. An answer whose text does not repeat drafts little; slowed by the others' verify
+    steps it would end late, and a wave of answers ends with it (benchmarks/draft_steps.py)."""
+    cost = StepCost.fit({1: [6.28], 2: [11.6], 4: [17.0], 9: [26.96]})  # SmolLM2, 2 cores (ms)
+    plain = cost.of([(s, 1) for s in range(4)])
+    evals = [Eval(s, [7, 1, 2, 3, 4], 10, draft_acceptance=0.95) for s in range(3)]
+    evals.append(Eval(3, [7, 1, 2, 3, 4], 10, draft_acceptance=0.7))
+    cut_drafts(evals, cost)
+    assert [len(ev.tokens) for ev in evals] == [3, 3, 3, 3]  # two guesses each: the weakest draft still keeps up
+    assert expected_tokens(0.7, 2) >= cost.of([(s, 3) for s in range(4)]) / plain
+    assert expected_tokens(0.7, 3) < cost.of([(s, 4) for s in range(4)]) / plain  # three would slow it
+
+    def laggard(drain: bool) -> int:
+        behind = Eval(0, [7, 1, 2, 3], 10, draft_acceptance=0.9, left=192)
+        ahead = Eval(1, [5], 10, left=40)
+        cut_drafts([behind, ahead], cost, drain=drain)
+        return len(behind.tokens) - 1
+
+    assert laggard(drain=False) == 0  # a request waits: the answer ahead ends as soon as it can, for its slot
+    assert laggard(drain=True) == 3  # draining: it is ahead by 152 tokens, and may slow down to keep in step
 
 
 def test_with_no_request_waiting_an_answer_ahead_of_the_others_drafts_less():
@@ -433,8 +460,10 @@ def test_a_request_cancelled_mid_verification_frees_its_slot_and_the_next_is_una
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_sequences_verifying_in_one_step_each_get_their_own_answer(tiny, shared_steps, deterministic):
+def test_sequences_verifying_in_one_step_each_get_their_own_answer(tiny, shared_steps, deterministic, monkeypatch):
     tiny = tiny if deterministic else shared_steps
+    # the drafts as given: beside the third answer, which does not draft, cut_drafts would cut them (no answer slower)
+    monkeypatch.setattr(llama_slots, "cut_drafts", lambda *a, **k: None)
     greedy = Sampling(max_new_tokens=30, temperature=0, ignore_eos=True)
     refs = [reference(tiny, p, greedy) for p in (PROMPT, OTHER)]
     oracles = [Oracle(n, a, size=5, wrong={7}) for n, a, _, _ in refs] + [None]
@@ -577,8 +606,6 @@ def test_steps_the_thread_spent_off_a_cpu_never_make_the_step_cost_and_no_reques
     """Four servers loading together made every measured step half a second whatever its size, so every draft
     looked free: a step whose thread was on a CPU less than ``STEP_ON_CPU`` of its time is not counted, and
     without a step cost a request that asks for speculation gets none (its drafts would go unweighed)."""
-    from disaggregated_inference.backends import llama_slots
-
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # a library imported by earlier tests may set it
     b = loaded(deterministic=False, speculation="ngram")
     try:

@@ -36,7 +36,8 @@ sequences carry different token counts as several ubatches, each of which reads 
 So in a step of several sequences, one guess each (one ubatch) can pay where one sequence's draft
 (a ubatch of its own) does not: a sequence with no match long enough to draft offers a one-token
 guess from a shorter one (a **filler**), and the cut weighs equal lengths for every draft first.
-A sequence whose drafts keep failing stops drafting.
+Beside others, what it keeps may not slow any answer of the step (an answer ahead of the others, when none
+waits for a slot, by its share only). A sequence whose drafts keep failing stops drafting.
 
 A draft model could implement ``Proposer`` too (out of scope: on this machine's CPU it cannot pay).
 """
@@ -337,23 +338,46 @@ def cut_drafts(evals: list, cost: StepCost, n_ubatch: int = 512, rows: int = 1, 
     one sequence at a time while that gains. ``tokens`` and ``draft_acceptance`` are changed in place (a
     draft cut to nothing becomes a plain one-token step). ``rows``: the fewest rows a sequence's step
     evaluates (2: a lone sequence's padding row under batch-invariant steps, which a guess may take);
-    ``padded``: batch-invariant steps (``StepCost.of``); ``drain``: no request waits for a slot."""
+    ``padded``: batch-invariant steps (``StepCost.of``); ``drain``: no request waits for a slot.
+
+    **No answer slower.** Beside other sequences, the drafts the search keeps must not slow any answer of the step:
+    each must expect at least as many tokens per unit of time as in the step without guesses (drained, its share of
+    them: an answer ahead of the others may slow down to keep in step with them). Else every draft is cut to one
+    length, the longest that slows none, or to nothing. A draft the search keeps pays in its own step, but an answer
+    whose text does not repeat drafts little and pays the time of every verify step it shares (SmolLM2, 2 cores, 4
+    slots: four single tokens 24 ms, one of them with 8 guesses 62 ms). It ends late, and a wave of answers ends with
+    it, in steps of fewer sequences: in benchmarks/draft_steps.py (peer.py's decode-bound 8 at once, 4 rounds)
+    179-258 such steps at 7.2-8.4 ms a token against 6.2-6.7 for every step without speculation, and the steps'
+    shape changed 498-566 times against 39-42 (llama.cpp builds its compute graph again for a new shape), so that
+    the drafts' steps took 0.5% less to 1.8% more time than speculation off. With this rule: 16 short steps, 109
+    changes of shape, and 2.6% less time in steps than speculation off. The grader's code requests at 8 at once
+    kept their gain (benchmarks/speculative.py: 1.74x of speculation off, 1.72x without the rule)."""
     drafted = [ev for ev in evals if ev.draft_acceptance is not None]
     if not drafted:
         return
     worth = shares(evals) if drain else {}
-    emitting = sum(worth.get(id(ev), 1.0) for ev in evals if ev.draft_acceptance is None and ev.logits
-                   and len(ev.tokens) - ev.done == 1)
+    singles = [ev for ev in evals if ev.draft_acceptance is None and ev.logits and len(ev.tokens) - ev.done == 1]
+    emitting = sum(worth.get(id(ev), 1.0) for ev in singles)
     # the step's (sequence, tokens) in id order, a drafted sequence's tokens left to the choice; and what each
     # draft length of a drafted sequence is worth: computed once, as the search weighs hundreds of choices
     order = sorted(evals, key=lambda ev: ev.seq)
     gains = {id(ev): [worth.get(id(ev), 1.0) * expected_tokens(ev.draft_acceptance, k) for k in range(len(ev.tokens))]
              for ev in drafted}
 
-    def value(choice: dict) -> float:
+    def step_cost(choice: dict) -> float:
         counts = [(ev.seq, max(rows, 1 + choice[id(ev)]) if id(ev) in gains else len(ev.tokens) - ev.done)
                   for ev in order]
-        return (emitting + sum(gains[key][k] for key, k in choice.items())) / cost.of(counts, n_ubatch, padded)
+        return cost.of(counts, n_ubatch, padded)
+
+    def value(choice: dict) -> float:
+        return (emitting + sum(gains[key][k] for key, k in choice.items())) / step_cost(choice)
+
+    def slows_no_answer(choice: dict) -> bool:
+        # each answer expects, per unit of time, at least its share of the tokens it gets in the step without guesses
+        ratio = step_cost(choice) / step_cost(dict.fromkeys(choice, 0))
+        return (all(worth.get(id(ev), 1.0) * ratio <= 1.0 for ev in singles)
+                and all(worth.get(id(ev), 1.0) * ratio <= expected_tokens(ev.draft_acceptance, choice[id(ev)])
+                        for ev in drafted))
 
     # start from the best of no guesses and every draft cut to the same length: sequences that carry the same
     # number of tokens are one ubatch, so one guess each can pay where one more guess in any one of them,
@@ -378,6 +402,10 @@ def cut_drafts(evals: list, cost: StepCost, n_ubatch: int = 512, rows: int = 1, 
         if found is None:
             break
         keep = found
+    if len(evals) > 1 and not slows_no_answer(keep):  # the same length for every draft, as long as one slows none
+        longest = max(keep.values())
+        keep = next((trial for k in range(longest - 1, 0, -1)
+                     if slows_no_answer(trial := {key: min(k, n) for key, n in keep.items()})), dict.fromkeys(keep, 0))
     for ev in drafted:
         k = keep[id(ev)]
         del ev.tokens[1 + k:]
