@@ -374,7 +374,7 @@ def cut_drafts(evals: list, cost: StepCost, n_ubatch: int = 512, rows: int = 1, 
 
     def slows_no_answer(choice: dict) -> bool:
         # each answer expects, per unit of time, at least its share of the tokens it gets in the step without guesses
-        ratio = step_cost(choice) / step_cost(dict.fromkeys(choice, 0))
+        ratio = step_cost(choice) / plain
         return (all(worth.get(id(ev), 1.0) * ratio <= 1.0 for ev in singles)
                 and all(worth.get(id(ev), 1.0) * ratio <= expected_tokens(ev.draft_acceptance, choice[id(ev)])
                         for ev in drafted))
@@ -402,10 +402,13 @@ def cut_drafts(evals: list, cost: StepCost, n_ubatch: int = 512, rows: int = 1, 
         if found is None:
             break
         keep = found
-    if len(evals) > 1 and not slows_no_answer(keep):  # the same length for every draft, as long as one slows none
-        longest = max(keep.values())
-        keep = next((trial for k in range(longest - 1, 0, -1)
-                     if slows_no_answer(trial := {key: min(k, n) for key, n in keep.items()})), dict.fromkeys(keep, 0))
+    if len(evals) > 1:
+        plain = step_cost(dict.fromkeys(keep, 0))  # the step without guesses, which slows_no_answer weighs against
+        if not slows_no_answer(keep):  # the same length for every draft, as long as one slows none
+            longest = max(keep.values())
+            keep = next((trial for k in range(longest - 1, 0, -1)
+                         if slows_no_answer(trial := {key: min(k, n) for key, n in keep.items()})),
+                        dict.fromkeys(keep, 0))
     for ev in drafted:
         k = keep[id(ev)]
         del ev.tokens[1 + k:]
