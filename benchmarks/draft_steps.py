@@ -1,9 +1,10 @@
-"""Benchmark: where speculation's time goes at a full batch, step by step, in process.
+"""Benchmark: where speculation's time goes, step by step, in process.
 
-benchmarks/peer.py's decode-bound cell at 8 at once, on the model of one decode server built in this
-process (the embedded config's ``local-decode-qwen``: SmolLM2 with its slots, threads and flash attention;
-no socket, no HTTP, no other server): 8 prompts of ~25 tokens x 192 tokens, greedy, end-of-generation
-ignored, sent 8 at once to the model's owner thread, once per mode per round (``--modes``: the request's
+One of benchmarks/peer.py's cells, on the model of one decode server built in this process (the embedded
+config's ``local-decode-qwen``: SmolLM2 with its slots, threads and flash attention; no socket, no HTTP, no
+other server): by default the decode-bound cell at 8 at once, 8 prompts of ~25 tokens x 192 tokens
+(``--workload prompt-bound``: 16 prompts of ~950 tokens x 48; ``--at-once``), greedy, end-of-generation
+ignored, sent so many at once to the model's owner thread, once per mode per round (``--modes``: the request's
 ``speculation``, ``off`` and ``ngram`` by default; the order alternates every round, and every mode gets the
 round's same prompts). Every model step (``Slots._decode``: filling the batch and ``llama_decode``) is timed
 and recorded with its layout: each sequence's tokens in it, the draft it verified and that draft's
@@ -21,6 +22,7 @@ predicted from each draft's acceptance: ``speculate.expected_tokens``), ms per e
 each ubatch llama.cpp makes of the step (``speculate.ubatches``).
 
     .venv/bin/python benchmarks/draft_steps.py --json              # ~2 minutes: 4 rounds, off and ngram
+    .venv/bin/python benchmarks/draft_steps.py --json --workload prompt-bound --at-once 1   # ~9 minutes
     .venv/bin/python benchmarks/draft_steps.py --quick --json      # seconds: the tiny model, 8 tokens an answer
 """
 from __future__ import annotations
@@ -40,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import peer  # noqa: E402  (benchmarks/peer.py: its decode-bound workload)
+import peer  # noqa: E402  (benchmarks/peer.py: its workloads)
 import quick  # noqa: E402
 from disaggregated_inference import config as cluster_config  # noqa: E402
 from disaggregated_inference.backends import llama_slots, speculate  # noqa: E402
@@ -48,7 +50,8 @@ from disaggregated_inference.server import decode, settings as server_settings, 
 from disaggregated_inference.server.parse import parse_generate  # noqa: E402
 
 SERVER = "local-decode-qwen"
-AT_ONCE = 8
+WORKLOADS = {"decode-bound": peer.Workload("decode-bound", 8, 192),  # peer.py's, one model busy
+             "prompt-bound": peer.Workload("prompt-bound", 16, 48, lines=24)}
 LAYOUTS_SHOWN = 20
 
 
@@ -143,9 +146,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=4, help="rounds; each runs the cell once per mode")
     ap.add_argument("--modes", nargs="+", default=["off", "ngram"], choices=list(speculate.PROPOSERS),
                     help="the requests' speculation, one cell each a round")
-    ap.add_argument("--tokens", type=int, default=192, help="max_tokens of each answer (peer.py's decode-bound: 192)")
+    ap.add_argument("--workload", choices=list(WORKLOADS), default="decode-bound", help="peer.py's workload")
+    ap.add_argument("--at-once", type=int, default=8, help="requests at once")
+    ap.add_argument("--tokens", type=int, help="max_tokens of each answer (default: the workload's)")
     quick.add_argument(ap)
     args = quick.apply(ap, ap.parse_args(argv), rounds=1, tokens=8)
+    workload = WORKLOADS[args.workload]
+    args.tokens = args.tokens or workload.max_tokens
 
     data = json.loads((ROOT / "config_current.json").read_text())
     if args.quick:
@@ -154,7 +161,6 @@ def main(argv=None) -> int:
     cfg = cluster_config.coerce(data)
     # the server alone on this machine: no other server of the config runs to share its cores with
     settings = dataclasses.replace(server_settings.from_cluster(cfg, SERVER), core_group="")
-    workload = peer.Workload("decode-bound", AT_ONCE, args.tokens)
     log = StepLog()
     rounds: dict[str, list[float]] = {mode: [] for mode in args.modes}
     with log:
@@ -176,13 +182,13 @@ def main(argv=None) -> int:
                     return sum(1 for _ in st.owner.stream(lambda b, c: b.generate(tokenized, req.sampling, c)))
 
             answer(workload.prompt(9999, 0), args.modes[-1])  # a warm-up
-            with ThreadPoolExecutor(AT_ONCE) as pool:
+            with ThreadPoolExecutor(args.at_once) as pool:
                 for n in range(args.rounds):
                     for mode in (args.modes if n % 2 == 0 else args.modes[::-1]):
                         log.mode = mode
                         started = time.perf_counter()
-                        list(pool.map(lambda i: answer(workload.prompt(n, i), mode), range(AT_ONCE)))
-                        rounds[mode].append(AT_ONCE * args.tokens / (time.perf_counter() - started))
+                        list(pool.map(lambda i: answer(workload.prompt(n, i), mode), range(workload.prompts)))
+                        rounds[mode].append(workload.prompts * args.tokens / (time.perf_counter() - started))
                         log.mode = None
                         quick.say(f"round {n + 1}, {mode}: {rounds[mode][-1]:.1f} tok/s")
             cost = st.owner.backend._step_cost
@@ -191,7 +197,8 @@ def main(argv=None) -> int:
     result = {
         "quick": args.quick,
         "model": "tiny llama (generated)" if args.quick else data["models"]["qwen"]["model"],
-        "threads": settings.model.n_threads, "slots": slots, "at_once": AT_ONCE, "tokens": args.tokens,
+        "threads": settings.model.n_threads, "slots": slots, "workload": args.workload,
+        "prompts": workload.prompts, "at_once": args.at_once, "tokens": args.tokens,
         "rounds": args.rounds, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "step_cost": str(cost) if cost else None,
         "modes": {mode: {"tok_s": [round(v, 2) for v in rounds[mode]], "median_tok_s": round(statistics.median(rounds[mode]), 2),

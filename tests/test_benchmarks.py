@@ -406,13 +406,17 @@ def test_speculative():
     assert out["all_greedy_equal"] == all(r["greedy_equal"] for r in rows if r["proposer"] == "ngram")
 
 
-def test_draft_steps():
-    out = run_quick("draft_steps.py")
+@pytest.mark.parametrize("args, workload, prompts, at_once", [((), "decode-bound", 8, 8),
+                                                         (("--workload", "prompt-bound", "--at-once", "1"),
+                                                          "prompt-bound", 16, 1)])
+def test_draft_steps(args, workload, prompts, at_once):
+    out = run_quick("draft_steps.py", *args)
     assert out["quick"] is True and out["rounds"] == 1 and set(out["modes"]) == {"off", "ngram"}
+    assert (out["workload"], out["prompts"], out["at_once"]) == (workload, prompts, at_once)
     for mode, m in out["modes"].items():
         assert len(m["tok_s"]) == 1 and m["median_tok_s"] == statistics.median(m["tok_s"])
         # every answer got exactly its max_tokens (end-of-generation ignored), each token from one step's row
-        assert m["tokens"] == out["at_once"] * out["tokens"]
+        assert m["tokens"] == out["prompts"] * out["tokens"]
         assert m["ms_per_token"] == pytest.approx(m["step_s"] * 1000 / m["tokens"], abs=0.02)  # step_s: 3 decimals
         short = m["short_steps"]
         assert short["steps"] <= m["steps"] and short["seconds"] <= m["step_s"] and short["tokens"] <= m["tokens"]
