@@ -50,8 +50,7 @@ from disaggregated_inference.server import decode, settings as server_settings, 
 from disaggregated_inference.server.parse import parse_generate  # noqa: E402
 
 SERVER = "local-decode-qwen"
-WORKLOADS = {"decode-bound": peer.Workload("decode-bound", 8, 192),  # peer.py's, one model busy
-             "prompt-bound": peer.Workload("prompt-bound", 16, 48, lines=24)}
+WORKLOADS = {w.name: w for w in peer.WORKLOADS}  # peer.py's, one model busy
 LAYOUTS_SHOWN = 20
 
 

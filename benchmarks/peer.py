@@ -136,6 +136,10 @@ class Workload:
         return long_prompt(nonce, i, self.lines) if self.lines else short_prompt(nonce, i)
 
 
+WORKLOADS = (Workload("decode-bound", 8, 192), Workload("prompt-bound", 16, 48, lines=24, split=True))
+QUICK_WORKLOADS = (Workload("decode-bound", 2, 8), Workload("prompt-bound", 2, 4, lines=3, split=True))
+
+
 # -- one request per endpoint -----------------------------------------------------------------------
 
 
@@ -607,10 +611,10 @@ def main(argv=None) -> int:
     autogroup("self", args.autogroup_nice)
 
     if args.quick:
-        workloads = [Workload("decode-bound", 2, 8), Workload("prompt-bound", 2, 4, lines=3, split=True)]
+        workloads = list(QUICK_WORKLOADS)
         levels, rounds, both_rounds, prompt_rounds, tiny = (1, 2), 1, 1, 1, tiny_model()
     else:
-        workloads = [Workload("decode-bound", 8, 192), Workload("prompt-bound", 16, 48, lines=24, split=True)]
+        workloads = list(WORKLOADS)
         levels, rounds, both_rounds, prompt_rounds, tiny = (1, 8), args.rounds, args.both_rounds, args.prompt_rounds, None
     workloads = [w for w in workloads if w.name in args.workloads]
     binary, skipped = (peer_binary(args.llama_server, build=not (args.quick or args.no_build)) if PEER in args.endpoints

@@ -97,8 +97,7 @@ def free_requests(max_tokens: int) -> list[dict]:
 def peer_requests(workload: str, quick_run: bool) -> list[dict]:
     """benchmarks/peer.py's workload ``workload`` (decode-bound: 8 short prompts x 192 tokens; prompt-bound: 16
     prompts of ~950 tokens x 48) as /generate bodies: raw prompts, greedy, end-of-generation ignored."""
-    work = {"decode-bound": peer.Workload("decode-bound", 8, 192),
-            "prompt-bound": peer.Workload("prompt-bound", 16, 48, lines=24)}[workload]
+    work = next(w for w in peer.WORKLOADS if w.name == workload)
     n, tokens = (2, 8) if quick_run else (work.prompts, work.max_tokens)
     return [{"prompt": work.prompt(0, i), "raw": True, "max_new_tokens": tokens, "temperature": 0,
              "ignore_eos": True} for i in range(n)]
