@@ -372,8 +372,9 @@ def cut_drafts(evals: list, cost: StepCost, n_ubatch: int = 512, rows: int = 1, 
     def value(choice: dict) -> float:
         return (emitting + sum(gains[key][k] for key, k in choice.items())) / step_cost(choice)
 
-    def slows_no_answer(choice: dict) -> bool:
+    def slows_no_answer(choice: dict, plain: float) -> bool:
         # each answer expects, per unit of time, at least its share of the tokens it gets in the step without guesses
+        # (``plain``: that step's cost)
         ratio = step_cost(choice) / plain
         return (all(worth.get(id(ev), 1.0) * ratio <= 1.0 for ev in singles)
                 and all(worth.get(id(ev), 1.0) * ratio <= expected_tokens(ev.draft_acceptance, choice[id(ev)])
@@ -402,12 +403,12 @@ def cut_drafts(evals: list, cost: StepCost, n_ubatch: int = 512, rows: int = 1, 
         if found is None:
             break
         keep = found
-    if len(evals) > 1:
-        plain = step_cost(dict.fromkeys(keep, 0))  # the step without guesses, which slows_no_answer weighs against
-        if not slows_no_answer(keep):  # the same length for every draft, as long as one slows none
-            longest = max(keep.values())
+    longest = max(keep.values())
+    if len(evals) > 1 and longest:  # beside others, and some guess kept (without one, the step is the plain one)
+        plain = step_cost(dict.fromkeys(keep, 0))
+        if not slows_no_answer(keep, plain):  # the same length for every draft, as long as one slows none
             keep = next((trial for k in range(longest - 1, 0, -1)
-                         if slows_no_answer(trial := {key: min(k, n) for key, n in keep.items()})),
+                         if slows_no_answer(trial := {key: min(k, n) for key, n in keep.items()}, plain)),
                         dict.fromkeys(keep, 0))
     for ev in drafted:
         k = keep[id(ev)]
