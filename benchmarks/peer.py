@@ -50,8 +50,11 @@ peer; ``step_s``, ``between_steps_s`` and ``step_share``: the seconds our decode
 spent in model steps and between two steps while requests went on stepping, and the steps' share of the
 two; ``steps``: our decode servers' owner steps, or llama-server's ``llama_decode`` calls (its
 ``--metrics``), and ``ms_per_step``: the cell's wall time per step, in which llama-server's steps stand
-beside ours; and per model the mean and the slowest request's seconds),
-``cells`` (medians over rounds, ``step_share``, ``steps`` and ``ms_per_step`` too, and each cell's
+beside ours; ``methods``: the gateway's requests by how each was served, from its ``/metrics``
+(``kv_handoff``, ``decode_only`` where ``client.route`` kept one on the decode server, ...; null for the
+other endpoints); and per model the mean and the slowest request's seconds),
+``cells`` (medians over rounds, ``step_share``, ``steps`` and ``ms_per_step`` too, ``methods`` summed over
+the rounds, and each cell's
 ``speed_vs_peer``: the median of the rounds' own ratios of ``gen_tok_s`` to llama-server's; ``spread``:
 the lowest, highest and interquartile range over the rounds of ``gen_tok_s``, ``cpu_ms_per_token`` and
 the ratio; one-model cells run 4 rounds by default, issue 44), and ``targets`` (issue 36: the decode server >= 0.9x
@@ -87,7 +90,7 @@ sys.path.insert(0, str(ROOT))
 
 import quick  # noqa: E402  (benchmarks/quick.py: the shared --quick; peer.py keeps the servers' own OpenMP policy)
 from disaggregated_inference.backends.gguf import resolve_gguf  # noqa: E402
-from disaggregated_inference.observe.scrape import parse_metrics, total  # noqa: E402
+from disaggregated_inference.observe.scrape import by_label, parse_metrics, total  # noqa: E402
 from disaggregated_inference.ops.cluster import LocalCluster  # noqa: E402
 from disaggregated_inference.ops.lifetime import guarded  # noqa: E402
 
@@ -231,6 +234,7 @@ class Endpoint:
     pids: list  # the processes that serve it (their CPU time is the endpoint's)
     counted_from: list = ()  # our decode servers' URLs: their DECODE_COUNTERS, read around each cell
     peer_from: list = ()  # llama-servers' URLs: their PEER_STEPS, read around each cell
+    routed_from: list = ()  # gateways' URLs: their requests by how each was served (GATEWAY_REQUESTS)
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -253,6 +257,7 @@ DECODE_COUNTERS = {"draft_tokens": "disagg_draft_tokens_total", "accepted_tokens
                    "step_s": "disagg_step_seconds_sum", "between_steps_s": "disagg_between_steps_seconds_total",
                    "steps": "disagg_step_seconds_count"}
 PEER_STEPS = "llamacpp:n_decode_total"  # llama-server's ``llama_decode`` calls (its /metrics, ``--metrics``)
+GATEWAY_REQUESTS = "disagg_gateway_requests_total"  # a gateway's requests, labelled by ``method`` (metrics.Method)
 
 
 def scraped_counters(urls, counters: dict, prefix: str = "disagg_") -> dict:
@@ -275,6 +280,22 @@ def decode_counters(urls) -> dict:
 def peer_steps(urls) -> float:
     """The ``llama_decode`` calls llama-servers ``urls`` have made so far (``PEER_STEPS``, summed over them)."""
     return scraped_counters(urls, {"steps": PEER_STEPS}, prefix="llamacpp:")["steps"]
+
+
+def gateway_methods(urls) -> dict:
+    """How the gateways ``urls`` have served their requests so far: ``{method: requests}`` (kv_handoff,
+    decode_only, decode_only_fallback, ...), summed over them."""
+    out: dict = {}
+    for url in urls:
+        scrape = parse_metrics(requests.get(f"{url}/metrics", timeout=10).text)
+        for method, n in by_label(scrape, GATEWAY_REQUESTS, "method").items():
+            out[method] = out.get(method, 0.0) + n
+    return out
+
+
+def _delta(after: dict, before: dict) -> dict:
+    """``after`` less ``before``, key by key, the keys that changed (counts: ints)."""
+    return {k: int(v - before.get(k, 0)) for k, v in sorted(after.items()) if v - before.get(k, 0)}
 
 
 SPECULATION_KEYS = ("proposer", "step_cost_s", "step_cost_measures")  # of /health's, the ones a run records
@@ -341,6 +362,7 @@ def run_cell(endpoint: Endpoint, workload: Workload, concurrency: int, models: l
     pools = {m: ThreadPoolExecutor(concurrency) for m in models}
     counted_before = decode_counters(endpoint.counted_from)
     peer_before = peer_steps(endpoint.peer_from)
+    routed_before = gateway_methods(endpoint.routed_from)
     cpu_before = cpu_seconds(endpoint.pids)
     started = time.perf_counter()
     futures = [pools[m].submit(one, m, i) for i in range(per_model) for m in models]
@@ -351,6 +373,7 @@ def run_cell(endpoint: Endpoint, workload: Workload, concurrency: int, models: l
     counted = {k: v - counted_before[k] for k, v in decode_counters(endpoint.counted_from).items()}
     steps = (int(counted["steps"]) if endpoint.counted_from
              else int(peer_steps(endpoint.peer_from) - peer_before) if endpoint.peer_from else None)
+    methods = _delta(gateway_methods(endpoint.routed_from), routed_before) if endpoint.routed_from else None
     for pool in pools.values():
         pool.shutdown()
     done = [r for rs in results.values() for r in rs]
@@ -376,6 +399,9 @@ def run_cell(endpoint: Endpoint, workload: Workload, concurrency: int, models: l
            # model steps during the cell: our decode servers' owner steps (one llama_decode each, but for
            # deterministic steps), llama-server's llama_decode calls; and the cell's wall time per step
            "steps": steps, "ms_per_step": round(wall / steps * 1000, 3) if steps else None,
+           # the gateway's requests by how each was served (its /metrics): kv_handoff, decode_only (the route kept
+           # it on the decode server), decode_only_fallback, ...; None for the other endpoints
+           "methods": methods,
            "per_model": {m: {"requests": len(rs), "completion_tokens": sum(r[0].completion_tokens for r in rs),
                              "mean_prompt_tokens": round(statistics.mean(r[0].prompt_tokens for r in whole[m]), 1)
                              if whole[m] else None,
@@ -495,6 +521,18 @@ def _spread(values) -> dict | None:
     return {"min": round(values[0], 3), "max": round(values[-1], 3), "iqr": round(q[2] - q[0], 3)}
 
 
+def _summed(counts) -> dict | None:
+    """Count dicts added up key by key over the rounds (None where no round has one)."""
+    counts = [c for c in counts if c is not None]
+    if not counts:
+        return None
+    out: dict = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return dict(sorted(out.items()))
+
+
 def _whole(row: dict) -> bool:
     """Every request of the row sent and answered."""
     return not row["failed"] and "incomplete" not in row
@@ -525,6 +563,7 @@ def summarise(rows: list[dict]) -> list[dict]:
                           "step_share": _median(r.get("step_share") for r in runs),
                           "steps": _median(r.get("steps") for r in runs),
                           "ms_per_step": _median(r.get("ms_per_step") for r in runs),
+                          "methods": _summed(r.get("methods") for r in runs),
                           "speed_vs_peer": _median(ratios) if endpoint != PEER else None,
                           "spread": {"gen_tok_s": _spread(r["gen_tok_s"] for r in runs),
                                      "cpu_ms_per_token": _spread(r["cpu_ms_per_token"] for r in runs),
@@ -655,7 +694,7 @@ def main(argv=None) -> int:
             everything = [cluster.gateway.proc.pid, *(p.proc.pid for p in cluster.processes)]
             endpoints = [Endpoint("decode-server", ask_decode_server, decode, decode_pids, list(decode.values())),
                          Endpoint("gateway", ask_gateway, {m: cluster.gateway.url for m in model_names}, everything,
-                                  list(decode.values()))]
+                                  list(decode.values()), routed_from=[cluster.gateway.url])]
             if peers:
                 endpoints.insert(0, Endpoint(PEER, ask_llama_server, {m: p.url for m, p in zip(model_names, peers)},
                                              [p.proc.pid for p in peers], peer_from=[p.url for p in peers]))

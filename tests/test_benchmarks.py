@@ -329,9 +329,12 @@ def test_peer(monkeypatch):
         # ours may verify guesses, but never answer from the prompt's step alone
         assert r["steps"] >= ((8 if r["workload"] == "decode-bound" else 4) if r["endpoint"] == "llama-server" else 2)
         assert quotient(r["ms_per_step"], r["wall_s"] * 1000, r["steps"], 0)
+        # the gateway's requests by how it served them (its /metrics): the default route hands every one off
+        assert r["methods"] == ({"kv_handoff": r["requests"]} if r["endpoint"] == "gateway" else None)
     for c in cells:
         same = [r for r in rows if all(r[k] == c[k] for k in ("workload", "concurrency", "busy_models", "endpoint"))]
         assert c["rounds"] == len(same) == 1 and c["gen_tok_s"] == same[0]["gen_tok_s"]
+        assert c["methods"] == same[0]["methods"]  # summed over the rounds: one here
         one = same[0]["gen_tok_s"]  # one round: no spread
         assert c["spread"]["gen_tok_s"] == {"min": round(one, 3), "max": round(one, 3), "iqr": 0}
         peer = next((p for p in cells if p["endpoint"] == "llama-server"
