@@ -601,7 +601,8 @@ def targets(cells: list[dict], decode_c: int) -> dict:
 
 
 def json_options(options: list[str]) -> dict:
-    """``KEY=JSON`` arguments (``--server-option``, ``--model-option``) as a dict of their parsed values."""
+    """``KEY=JSON`` arguments (``--server-option``, ``--model-option``, ``--client-option``) as a dict of their
+    parsed values."""
     return {key: json.loads(value) for key, _, value in (option.partition("=") for option in options)}
 
 
@@ -629,6 +630,9 @@ def main(argv=None) -> int:
     parser.add_argument("--server-option", action="append", default=[], metavar="KEY=JSON",
                         help="a key of the config's server section for this run (A/B of policies), e.g. "
                              "share_cores=false or openmp_wait='\"sleep\"'")
+    parser.add_argument("--client-option", action="append", default=[], metavar="KEY=JSON",
+                        help="a setting of the cluster's client section, which the gateway routes by, repeatable "
+                             "(e.g. route=\"auto\", handoff_mode=\"whole\"): an A/B variant of the gateway's rows")
     parser.add_argument("--model-option", action="append", default=[], metavar="KEY=JSON",
                         help="a setting of every model of our cluster for this run (A/B of engine settings), e.g. "
                              "speculation='\"off\"'")
@@ -663,6 +667,7 @@ def main(argv=None) -> int:
 
     data = cluster_config(args.slots, args.threads, tiny)
     data["server"].update(json_options(args.server_option))
+    data["client"].update(json_options(args.client_option))
     for model in data["models"].values():
         model.update(json_options(args.model_option))
     server_env = dict(item.partition("=")[::2] for item in args.server_env)
@@ -739,7 +744,7 @@ def main(argv=None) -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "threads": args.threads,
                     "slots": args.slots, "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
                     "autogroup_nice": args.autogroup_nice, "server_options": args.server_option,
-                    "model_options": args.model_option,
+                    "model_options": args.model_option, "client_options": args.client_option,
                     "server_env": server_env, "peer_env": peer_env,
                     "omp_environment": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_"))}},
         "models": {m: Path(data["models"][m]["model"]).name for m in model_names},

@@ -358,6 +358,18 @@ def test_peer(monkeypatch):
 
 
 @pytest.mark.slow
+def test_peer_client_option():
+    """``--client-option`` reaches the gateway's client: with ``route="decode_only"`` every gateway request stays on
+    the decode server, and the rows' ``methods`` (the gateway's /metrics) say so, not ``kv_handoff``."""
+    out = run_quick("peer.py", "--endpoints", "gateway", "--workloads", "prompt-bound",
+                    "--client-option", 'route="decode_only"')
+    assert out["machine"]["client_options"] == ['route="decode_only"']
+    assert out["rows"] and {r["endpoint"] for r in out["rows"]} == {"gateway"}
+    for r in out["rows"]:
+        assert r["failed"] == 0 and r["methods"] == {"decode_only": r["requests"]}
+
+
+@pytest.mark.slow
 def test_hetero():
     import llama_cpp
 
