@@ -78,6 +78,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -260,15 +261,16 @@ PEER_STEPS = "llamacpp:n_decode_total"  # llama-server's ``llama_decode`` calls 
 GATEWAY_REQUESTS = "disagg_gateway_requests_total"  # a gateway's requests, labelled by ``method`` (metrics.Method)
 
 
+def scrapes(urls, prefix: str = "disagg_") -> list:
+    """Each server of ``urls``'s ``/metrics`` now, parsed (the samples whose names start with ``prefix``)."""
+    return [parse_metrics(requests.get(f"{url}/metrics", timeout=10).text, prefix) for url in urls]
+
+
 def scraped_counters(urls, counters: dict, prefix: str = "disagg_") -> dict:
     """``{key: sample name}`` ``counters`` as servers ``urls`` have counted them so far (``/metrics``, summed over
     the servers and their labels)."""
-    out = dict.fromkeys(counters, 0.0)
-    for url in urls:
-        scrape = parse_metrics(requests.get(f"{url}/metrics", timeout=10).text, prefix)
-        for key, name in counters.items():
-            out[key] += total(scrape, name)
-    return out
+    found = scrapes(urls, prefix)
+    return {key: sum((total(scrape, name) for scrape in found), 0.0) for key, name in counters.items()}
 
 
 def decode_counters(urls) -> dict:
@@ -285,12 +287,10 @@ def peer_steps(urls) -> float:
 def gateway_methods(urls) -> dict:
     """How the gateways ``urls`` have served their requests so far: ``{method: requests}`` (kv_handoff,
     decode_only, decode_only_fallback, ...), summed over them."""
-    out: dict = {}
-    for url in urls:
-        scrape = parse_metrics(requests.get(f"{url}/metrics", timeout=10).text)
-        for method, n in by_label(scrape, GATEWAY_REQUESTS, "method").items():
-            out[method] = out.get(method, 0.0) + n
-    return out
+    out: Counter = Counter()
+    for scrape in scrapes(urls):
+        out.update(by_label(scrape, GATEWAY_REQUESTS, "method"))
+    return dict(out)
 
 
 def _delta(after: dict, before: dict) -> dict:
@@ -526,10 +526,9 @@ def _summed(counts) -> dict | None:
     counts = [c for c in counts if c is not None]
     if not counts:
         return None
-    out: dict = {}
+    out: Counter = Counter()
     for c in counts:
-        for k, v in c.items():
-            out[k] = out.get(k, 0) + v
+        out.update(c)
     return dict(sorted(out.items()))
 
 
